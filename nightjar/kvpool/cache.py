@@ -1,0 +1,127 @@
+"""KV cache tensors, made of segments so the pool can grow and shrink without copying the cache.
+
+A segment holds blocks ``[start, start + n)`` for every layer: one tensor ``[L, 2, n, bs, nkv, d]``.
+Growing adds a segment; shrinking drops the last one (after its live blocks were migrated below).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Segment:
+    start: int
+    num_blocks: int
+    data: torch.Tensor   # [L, 2, n, bs, nkv, d]
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        self.segments: list[Segment] = []
+        if num_blocks > 0:
+            self.add_segment(num_blocks)
+
+    @staticmethod
+    def block_bytes_for(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype) -> int:
+        """Bytes of one block across all layers (K and V)."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_bytes_for(self.num_layers, self.num_kv_heads, self.head_dim,
+                                    self.block_size, self.dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(s.num_blocks for s in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.numel() * s.data.element_size() for s in self.segments)
+
+    def add_segment(self, n: int) -> Segment:
+        shape = (self.num_layers, 2, n, self.block_size, self.num_kv_heads, self.head_dim)
+        seg = Segment(self.num_blocks, n, torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.segments.append(seg)
+        return seg
+
+    def drop_last_segment(self) -> int:
+        if len(self.segments) <= 1:
+            raise RuntimeError("the first KV segment cannot be dropped")
+        return self.segments.pop().num_blocks
+
+    def _slot_view(self, seg: Segment, layer: int, kv: int) -> torch.Tensor:
+        return seg.data[layer, kv].view(-1, self.num_kv_heads, self.head_dim)   # [n*bs, nkv, d]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store k, v [T, nkv, d] into global slots [T]."""
+        if len(self.segments) == 1:
+            seg = self.segments[0]
+            self._slot_view(seg, layer, 0).index_copy_(0, slots, k)
+            self._slot_view(seg, layer, 1).index_copy_(0, slots, v)
+            return
+        bs = self.block_size
+        for seg in self.segments:
+            lo, hi = seg.start * bs, (seg.start + seg.num_blocks) * bs
+            sel = ((slots >= lo) & (slots < hi)).nonzero().squeeze(1)           # [t]
+            if sel.numel():
+                local = slots[sel] - lo
+                self._slot_view(seg, layer, 0).index_copy_(0, local, k[sel])
+                self._slot_view(seg, layer, 1).index_copy_(0, local, v[sel])
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read blocks [B, nb] -> k, v [B, nb*bs, nkv, d]."""
+        B, nb = block_tables.shape
+        if len(self.segments) == 1:
+            d = self.segments[0].data[layer]                                    # [2, n, bs, nkv, d]
+            k, v = d[0][block_tables], d[1][block_tables]                       # [B, nb, bs, nkv, d]
+        else:
+            k, v = self._gather_segmented(layer, block_tables)
+        shape = (B, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        return k.reshape(shape), v.reshape(shape)
+
+    def _gather_segmented(self, layer: int, tables: torch.Tensor):
+        out_shape = (*tables.shape, self.block_size, self.num_kv_heads, self.head_dim)
+        k = torch.empty(out_shape, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        for seg in self.segments:
+            inside = (tables >= seg.start) & (tables < seg.start + seg.num_blocks)  # [B, nb]
+            if bool(inside.any()):
+                local = tables[inside] - seg.start
+                k[inside] = seg.data[layer, 0][local]
+                v[inside] = seg.data[layer, 1][local]
+        return k, v
+
+    def _locate(self, block: int) -> tuple[Segment, int]:
+        for seg in self.segments:
+            if seg.start <= block < seg.start + seg.num_blocks:
+                return seg, block - seg.start
+        raise IndexError(f"block {block} is outside the cache ({self.num_blocks} blocks)")
+
+    def migrate(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every (src, dst) block for all layers (the torch path of pool shrink)."""
+        for src, dst in pairs:
+            s_seg, s = self._locate(src)
+            d_seg, d = self._locate(dst)
+            d_seg.data[:, :, d].copy_(s_seg.data[:, :, s])
+
+    def to_host(self) -> list[torch.Tensor]:
+        """Copies of the segments' data on the CPU (for draft KV offload)."""
+        return [seg.data.to("cpu", copy=True) for seg in self.segments]
+
+    def release(self) -> int:
+        """Drop every segment's tensor; returns the bytes released."""
+        n = self.nbytes
+        for seg in self.segments:
+            seg.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        return n
+
+    def restore(self, host: list[torch.Tensor]) -> None:
+        for seg, data in zip(self.segments, host):
+            seg.data = data.to(self.device, copy=True)

@@ -1,0 +1,228 @@
+"""Llama-family decoder that runs one flattened varlen batch over a paged KV cache.
+
+Every sequence contributes a query chunk (a prefill chunk, 1 decode token or γ+1 verify tokens) and
+attends to its own paged KV. Layers loop once per call over the whole flattened batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nightjar.models.config import ModelConfig
+
+
+@dataclass
+class BatchLayout:
+    """Host-built description of one varlen batch (tensors live on the model's device).
+
+    T = total query tokens, B = sequences, Q = longest query chunk, K = longest context (tokens).
+    """
+
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64, absolute position of each query token
+    slot_mapping: torch.Tensor   # [T] int64, cache slot (block * block_size + offset) to write
+    block_tables: torch.Tensor   # [B, nb] int64, padded with 0
+    q_index: torch.Tensor        # [B, Q] int64 into T, padding points at T (a zero row)
+    flat_index: torch.Tensor     # [T] int64 into B*Q: where each query token sits in the padded view
+    attn_mask: torch.Tensor      # [B, 1, Q, K] bool, True = attend
+    logits_index: torch.Tensor   # [N] int64 into T: rows whose logits are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_layout(
+    chunks: list[list[int]], starts: list[int], block_tables: list[tuple[int, ...]], block_size: int,
+    logits_rows: list[int], device: torch.device | str = "cpu",
+) -> BatchLayout:
+    """Describe a batch: sequence b feeds tokens ``chunks[b]`` at positions ``starts[b]..``.
+
+    ``logits_rows[b]`` is how many trailing tokens of chunk b need logits (1 for prefill/decode,
+    γ+1 for verify, 0 for a prefill chunk that is not the last one).
+    """
+    qlens = [len(c) for c in chunks]
+    ctx = [s + q for s, q in zip(starts, qlens)]
+    B, Q, K = len(chunks), max(qlens), max(ctx)
+    nb = max(1, -(-K // block_size))
+    ids, pos, slots, flat, logit_rows = [], [], [], [], []
+    q_index = torch.full((B, Q), sum(qlens), dtype=torch.int64)
+    table = torch.zeros((B, nb), dtype=torch.int64)
+    t = 0
+    for b, (chunk, s) in enumerate(zip(chunks, starts)):
+        bt = block_tables[b]
+        table[b, : min(nb, len(bt))] = torch.tensor(bt[:nb], dtype=torch.int64)
+        for i, tok in enumerate(chunk):
+            p = s + i
+            ids.append(tok)
+            pos.append(p)
+            slots.append(bt[p // block_size] * block_size + p % block_size)
+            flat.append(b * Q + i)
+        q_index[b, : len(chunk)] = torch.arange(t, t + len(chunk))
+        logit_rows.extend(range(t + len(chunk) - logits_rows[b], t + len(chunk)))
+        t += len(chunk)
+    qpos = torch.arange(Q).view(1, Q, 1) + torch.tensor(starts).view(B, 1, 1)      # [B, Q, 1]
+    kpos = torch.arange(K).view(1, 1, K)                                              # [1, 1, K]
+    mask = (kpos <= qpos) & (kpos < torch.tensor(ctx).view(B, 1, 1))                  # [B, Q, K]
+    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    return BatchLayout(
+        input_ids=as_t(ids), positions=as_t(pos), slot_mapping=as_t(slots),
+        block_tables=table.to(device), q_index=q_index.to(device), flat_index=as_t(flat),
+        attn_mask=mask.unsqueeze(1).to(device), logits_index=as_t(logit_rows),
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] with optional linear or llama3 scaling (as HF computes them)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type") or sc.get("type")
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        inv = _llama3_scale(inv, sc)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv
+
+
+def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
+    factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_ctx = float(sc["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, 1, d] (rotate-half convention, as HF Llama)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, cfg.q_size, bias=False)
+        self.k_proj = nn.Linear(h, cfg.kv_size, bias=False)
+        self.v_proj = nn.Linear(h, cfg.kv_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+
+    def forward(self, x, cos, sin, lay: BatchLayout, cache) -> torch.Tensor:
+        c = self.cfg
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, c.num_heads, c.head_dim)        # [T, nh, d]
+        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)     # [T, nkv, d]
+        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)     # [T, nkv, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer, k, v, lay.slot_mapping)
+        out = paged_attention(q, cache, self.layer, lay, 1.0 / math.sqrt(c.head_dim))  # [T, nh, d]
+        return self.o_proj(out.reshape(T, c.q_size))
+
+
+def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale: float) -> torch.Tensor:
+    """Torch reference paged attention for varlen queries. q [T, nh, d] -> [T, nh, d]."""
+    B, Q = lay.q_index.shape
+    K = lay.attn_mask.shape[-1]
+    T, nh, d = q.shape
+    kc, vc = cache.gather(layer, lay.block_tables)                # [B, nb*bs, nkv, d]
+    kc, vc = kc[:, :K].transpose(1, 2), vc[:, :K].transpose(1, 2)  # [B, nkv, K, d]
+    qp = torch.cat((q, q.new_zeros(1, nh, d)))[lay.q_index]       # [B, Q, nh, d]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), kc, vc, attn_mask=lay.attn_mask, scale=scale, enable_gqa=True,
+    )                                                             # [B, nh, Q, d]
+    return out.transpose(1, 2).reshape(B * Q, nh, d)[lay.flat_index]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    def forward(self, x, cos, sin, lay, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, lay, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow HF's ``LlamaForCausalLM`` so state dicts load as they are."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                    # [T, 1, d]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, lay: BatchLayout, cache) -> torch.Tensor:
+        """Run the batch; returns logits [N, vocab] (fp32) for ``lay.logits_index`` rows."""
+        x = self.embed_tokens(lay.input_ids)                      # [T, h]
+        cos, sin = self.rope(lay.positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, lay, cache)
+        x = self.norm(x[lay.logits_index])                        # [N, h]
+        return self.lm_head(x).float()                            # [N, V]
