@@ -175,18 +175,35 @@ def test_switch_cost_model_is_learned_from_observed_catchups():
     assert by_max.switch.predict(20, 4) == pytest.approx(0.04)  # proportional in L_max
 
 
+def steps_until_exploit_settles(tr: Trace, start: int, value: int, hold: int = 300) -> int:
+    """Steps after ``start`` until every exploit decision for ``hold`` steps is ``value``."""
+    ex = [(i, g) for i, (g, e) in enumerate(zip(tr.gamma, tr.explore)) if i >= start and not e]
+    for i, _ in ex:
+        if all(g == value for j, g in ex if i <= j < i + hold):
+            return i - start
+    return len(tr.gamma)
+
+
 @pytest.mark.parametrize("detector", ["ph", None])
 def test_nightjar_reconverges_to_gamma_zero_after_acceptance_collapses(detector):
+    # Measured over seeds 0-39 (defaults): with the detector median 41 / p90 70 / max 316
+    # steps; without it (discount 0.99 only) median 622 / p90 667 / max 802 steps.
     shift, good, bad = 3000, Env(alpha=0.8), Env(alpha=0.1)
     pol = make_policy("nightjar", gamma_max=4, seed=13, detector=detector)
     tr = drive(pol, lambda t: good if t < shift else bad, const(1), shift + 3000)
     assert exploit_share(Trace(tr.batch[:shift], tr.gamma[:shift], tr.explore[:shift], []),
                          {3, 4}) >= 0.8
-    steps = next(i for i in range(shift, len(tr.gamma) - 100)
-                 if tr.gamma[i:i + 100].count(0) >= 80) - shift
-    print(f"detector={detector}: γ=0 holds ≥80% of a 100-step window {steps} steps after the shift")
-    assert steps <= (150 if detector == "ph" else 600)
+    steps = steps_until_exploit_settles(tr, shift, 0)
+    print(f"detector={detector}: exploit decisions settle on γ=0 {steps} steps after the shift")
+    assert steps <= (150 if detector == "ph" else 900)
     assert exploit_share(tr, {0}) >= 0.9
+    assert (pol.snapshot()["contexts"]["1"]["resets"] >= 1) == (detector == "ph")
+
+
+def test_change_detector_stays_quiet_on_a_stationary_workload():
+    pol = make_policy("nightjar", gamma_max=4, seed=21)
+    drive(pol, const(Env(noise=0.08)), lambda t: (1, 2, 3, 8, 48)[t % 5], 10000)
+    assert all(c["resets"] == 0 for c in pol.snapshot()["contexts"].values())
 
 
 def test_nightjar_freezes_its_schedule_while_the_draft_is_offloaded():

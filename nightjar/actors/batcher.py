@@ -1,0 +1,259 @@
+"""Batcher: continuous batching (waiting/running), chunked prefill under a token budget,
+preemption by recompute when the pool runs dry, stop conditions, and draft-lag bookkeeping.
+
+One step is in flight at a time: schedule -> (planner, KV, draft, verifier) -> StepVerified -> commit.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from nightjar.kernel.actor import Actor
+from nightjar.kernel.messages import (
+    AbortRequest, BlocksReserved, DraftOffloaded, FinishReason, PoolResized, ReleaseBlocks,
+    RequestAdmitted, RequestsPreempted, SamplingSpec, StepScheduled, StepVerified, TokensCommitted,
+)
+
+
+@dataclass
+class Seq:
+    req_id: int
+    sampling: SamplingSpec
+    speculate: bool
+    tokens: list[int]
+    num_prompt: int
+    arrival: int
+    num_computed: int = 0        # tokens whose KV the target holds
+    draft_computed: int = 0      # tokens whose KV the draft holds
+    num_blocks: int = 0          # blocks the pool holds for it (mirror of the KV actor)
+    running: bool = False
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed >= len(self.tokens) - 1 and self.num_output > 0
+
+    def prefill_end(self) -> int:
+        """Where prefill stops: the whole prompt, or all but the last token after a recompute."""
+        return len(self.tokens) - (1 if self.num_output else 0)
+
+
+class Batcher(Actor):
+    name: ClassVar[str] = "batcher"
+    subscribes = (RequestAdmitted, AbortRequest, StepVerified, BlocksReserved, PoolResized, DraftOffloaded)
+
+    def __init__(self, num_blocks: int, block_size: int, eos_ids: tuple[int, ...] = (),
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048):
+        super().__init__()
+        self.block_size, self.eos_ids = block_size, frozenset(eos_ids)
+        self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
+        self.num_free = num_blocks
+        self.seqs: dict[int, Seq] = {}
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []
+        self.step = 0
+        self.inflight: StepScheduled | None = None
+        self.arrivals = 0
+        self.num_preemptions = 0
+
+    # ---- message dispatch ----------------------------------------------------------------------
+    def handle(self, msg, now):
+        match msg:
+            case RequestAdmitted():
+                self._admit(msg)
+                return self._maybe_schedule()
+            case AbortRequest():
+                return self._abort(msg.req_id, msg.reason) + self._maybe_schedule()
+            case BlocksReserved():
+                self._mirror_blocks(msg)
+            case StepVerified():
+                return self._commit(msg) + self._maybe_schedule()
+            case PoolResized():
+                self.num_free += msg.delta
+                return self._maybe_schedule()
+            case DraftOffloaded():
+                return None
+        return None
+
+    def _admit(self, msg: RequestAdmitted) -> None:
+        sp = msg.sampling
+        stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_ids)
+        self.seqs[msg.req_id] = Seq(msg.req_id, sp, msg.speculate, list(msg.prompt_ids), len(msg.prompt_ids),
+                                    self.arrivals, stop_ids=stop)
+        self.arrivals += 1
+        self.waiting.append(msg.req_id)
+
+    def _abort(self, req_id: int, reason: FinishReason) -> list:
+        seq = self.seqs.get(req_id)
+        if seq is None:
+            return []
+        out = self._finish_now(seq, reason)
+        return out
+
+    def _finish_now(self, seq: Seq, reason: FinishReason) -> list:
+        """Drop a request now (abort): release its blocks and tell clients."""
+        self._drop(seq)
+        delta = TokensCommitted(step=self.step, req_ids=(seq.req_id,), counts=(0,), tokens=(),
+                                num_computed=(0,), finish=(int(reason),), num_prompt=(seq.num_prompt,))
+        return [delta, ReleaseBlocks(req_ids=(seq.req_id,))]
+
+    def _drop(self, seq: Seq) -> None:
+        self.seqs.pop(seq.req_id, None)
+        if seq.req_id in self.running:
+            self.running.remove(seq.req_id)
+        if seq.req_id in self.waiting:
+            self.waiting.remove(seq.req_id)
+        self.num_free += seq.num_blocks
+        seq.num_blocks = 0
+
+    def _mirror_blocks(self, msg: BlocksReserved) -> None:
+        if self.inflight is None or msg.step != self.inflight.step:
+            return
+        for rid, table in zip(self.inflight.req_ids, msg.block_tables):
+            if rid in self.seqs:
+                self.seqs[rid].num_blocks = len(table)
+        self.num_free = msg.num_free
+
+    # ---- commit --------------------------------------------------------------------------------
+    def _commit(self, msg: StepVerified) -> list:
+        sched, self.inflight = self.inflight, None
+        if sched is None or sched.step != msg.step:
+            return []
+        ids, counts, toks, comp, fin, nprompt = [], [], [], [], [], []
+        pos = 0
+        for row, rid in enumerate(msg.req_ids):
+            new = msg.tokens[pos: pos + msg.counts[row]]
+            pos += msg.counts[row]
+            seq = self.seqs.get(rid)
+            if seq is None:        # aborted while the step ran
+                continue
+            kept, reason = self._advance(seq, sched, row, new, msg.accepted[row], msg.gamma)
+            ids.append(rid); counts.append(len(kept)); toks.extend(kept)
+            comp.append(seq.num_computed); fin.append(int(reason)); nprompt.append(seq.num_prompt)
+        out = [TokensCommitted(step=msg.step, req_ids=tuple(ids), counts=tuple(counts), tokens=tuple(toks),
+                               num_computed=tuple(comp), finish=tuple(fin), num_prompt=tuple(nprompt))]
+        done = tuple(rid for rid, f in zip(ids, fin) if f)
+        for rid in done:
+            self._drop(self.seqs[rid])
+        return out + ([ReleaseBlocks(req_ids=done)] if done else [])
+
+    def _advance(self, seq: Seq, sched: StepScheduled, row: int, new: tuple[int, ...], accepted: int,
+                 gamma: int) -> tuple[list[int], FinishReason]:
+        """Apply one row's result: KV counters, draft lag, stop conditions."""
+        if row < sched.num_decode:
+            n = len(seq.tokens)
+            seq.num_computed = n + accepted
+            if gamma > 0 and sched.speculate[row]:
+                seq.draft_computed = n + min(accepted, gamma - 1)
+        else:
+            seq.num_computed = sched.starts[row] + len(sched.chunk_ids[row])
+        kept, reason = self._apply_stops(seq, list(new))
+        seq.tokens.extend(kept)
+        return kept, reason
+
+    def _apply_stops(self, seq: Seq, new: list[int]) -> tuple[list[int], FinishReason]:
+        sp = seq.sampling
+        for i, tok in enumerate(new):
+            count = seq.num_output + i + 1
+            if tok in seq.stop_ids and count > sp.min_tokens:
+                return new[: i + 1], FinishReason.STOP
+            if count >= sp.max_tokens or len(seq.tokens) + i + 1 >= self.max_model_len:
+                return new[: i + 1], FinishReason.LENGTH
+        return new, FinishReason.NONE
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def _maybe_schedule(self) -> list:
+        if self.inflight is not None or not (self.running or self.waiting):
+            return []
+        preempted = self._ensure_decode_fits()
+        decode = [rid for rid in self.running if self.seqs[rid].in_decode]
+        prefill = self._pick_prefill(len(decode))
+        out = []
+        if preempted:
+            out += [RequestsPreempted(req_ids=preempted), ReleaseBlocks(req_ids=preempted)]
+        if decode or prefill:
+            self.inflight = self._build_step(decode, prefill)
+            out.append(self.inflight)
+        return out
+
+    def _blocks_for(self, seq: Seq, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - seq.num_blocks)
+
+    def _ensure_decode_fits(self) -> tuple[int, ...]:
+        """Preempt (recompute) the newest running requests until every decode row has a slot."""
+        preempted = []
+        while True:
+            need = sum(self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1)
+                       for r in self.running if self.seqs[r].in_decode)
+            if need <= self.num_free or len(self.running) <= 1:
+                return tuple(preempted)
+            victim = self.seqs[max(self.running, key=lambda r: self.seqs[r].arrival)]
+            self._preempt(victim)
+            preempted.append(victim.req_id)
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq.req_id)
+        self.num_free += seq.num_blocks
+        seq.num_blocks, seq.num_computed, seq.draft_computed, seq.running = 0, 0, 0, False
+        self.waiting.appendleft(seq.req_id)
+        self.num_preemptions += 1
+
+    def _pick_prefill(self, num_decode: int) -> list[tuple[int, int, int]]:
+        """(req_id, start, length) prefill chunks: running partial prefills first, then FCFS waiting."""
+        budget = self.budget - num_decode
+        free = self.num_free - sum(self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1)
+                                   for r in self.running if self.seqs[r].in_decode)
+        chunks = []
+        for rid in [r for r in self.running if not self.seqs[r].in_decode] + list(self.waiting):
+            if budget <= 0 or (rid in self.waiting and len(self.running) >= self.max_num_seqs):
+                break
+            chunk = self._prefill_chunk(self.seqs[rid], budget, free)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= chunk[2]
+            free -= self._blocks_for(self.seqs[rid], chunk[1] + chunk[2])
+            self._start_running(rid)
+        return chunks
+
+    def _prefill_chunk(self, seq: Seq, budget: int, free: int) -> tuple[int, int, int] | None:
+        start = seq.num_computed
+        length = min(seq.prefill_end() - start, budget)
+        fits = (free * self.block_size + seq.num_blocks * self.block_size) - start
+        length = min(length, fits)
+        return (seq.req_id, start, length) if length > 0 else None
+
+    def _start_running(self, rid: int) -> None:
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+            self.running.append(rid)
+            self.seqs[rid].running = True
+
+    def _build_step(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> StepScheduled:
+        self.step += 1
+        S = self.seqs
+        rows = [(r, S[r].num_computed, (S[r].tokens[-1],)) for r in decode]
+        rows += [(r, s, tuple(S[r].tokens[s: s + n])) for r, s, n in prefill]
+        lags = [len(S[r].tokens) - 1 - S[r].draft_computed for r in decode if S[r].speculate]
+        return StepScheduled(
+            step=self.step, req_ids=tuple(r for r, _, _ in rows), starts=tuple(s for _, s, _ in rows),
+            chunk_ids=tuple(c for _, _, c in rows), num_decode=len(decode),
+            draft_computed=tuple(S[r].draft_computed for r in decode),
+            speculate=tuple(S[r].speculate for r in decode),
+            prefill_done=tuple(s + n == len(S[r].tokens) for r, s, n in prefill),
+            max_draft_lag=max(lags, default=0), num_waiting=len(self.waiting),
+        )
+
+    # ---- introspection -------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

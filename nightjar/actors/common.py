@@ -1,0 +1,68 @@
+"""Helpers shared by the model actors (draft executor, verifier): request mirrors and forwards."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nightjar.kernel.messages import RequestAdmitted, SamplingSpec, TokensCommitted
+from nightjar.kernel.seeds import request_seed
+from nightjar.models.llama import build_layout
+
+
+@dataclass
+class ReqMirror:
+    """What a model actor keeps of one request: tokens so far, sampling params, its generator."""
+    tokens: list[int]
+    sampling: SamplingSpec
+    gen: torch.Generator | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.temperature <= 0
+
+
+class RequestMirrors:
+    """Per-request state rebuilt from RequestAdmitted (whole, once) and TokensCommitted (deltas)."""
+
+    def __init__(self, root_seed: int, stream: str, device: torch.device | str = "cpu"):
+        self.root_seed, self.stream, self.device = root_seed, stream, device
+        self.reqs: dict[int, ReqMirror] = {}
+
+    def admit(self, msg: RequestAdmitted) -> None:
+        sp = msg.sampling
+        gen = None
+        if sp.temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(request_seed(self.root_seed, msg.req_id, sp.seed, self.stream))
+        self.reqs[msg.req_id] = ReqMirror(list(msg.prompt_ids), sp, gen)
+
+    def commit(self, msg: TokensCommitted) -> list[int]:
+        """Extend token lists; returns the ids that finished (and were dropped)."""
+        pos, done = 0, []
+        for rid, n, fin in zip(msg.req_ids, msg.counts, msg.finish):
+            if rid in self.reqs:
+                self.reqs[rid].tokens.extend(msg.tokens[pos: pos + n])
+            pos += n
+            if fin:
+                self.reqs.pop(rid, None)
+                done.append(rid)
+        return done
+
+    def __getitem__(self, rid: int) -> ReqMirror:
+        return self.reqs[rid]
+
+
+def run_chunks(model, cache, block_size: int, chunks: list[list[int]], starts: list[int],
+               tables: list[tuple[int, ...]], logits_rows: list[int]) -> torch.Tensor:
+    """One batched forward of varlen chunks; logits [sum(logits_rows), V] fp32."""
+    lay = build_layout(chunks, starts, tables, block_size, logits_rows, device=model.device)
+    return model(lay, cache)
+
+
+def sampling_tensors(specs: list[SamplingSpec], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    temp = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device)
+    top_k = torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device)
+    top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device)
+    return temp, top_k, top_p

@@ -1,0 +1,137 @@
+"""Draft executor: catches up lagging draft KV, then runs the draft γ times for all speculating
+rows, one batched call per draft position. Keeps the draft's own paged KV and the draft
+probabilities (for rejection sampling) in a buffer the verifier reads by handle."""
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import torch
+
+from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors
+from nightjar.kernel.actor import Actor
+from nightjar.kernel.messages import (
+    BlocksReserved, RequestAdmitted, RequestsPreempted, StepDrafted, StepScheduled, TokensCommitted,
+)
+from nightjar.kvpool.blocks import BlockAllocator
+from nightjar.triton_kernels.rejection import sample_from, transform_logits
+
+
+class DraftBuffers:
+    """Device-side results referenced by handle from bus messages (never sent inside them)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[int, dict[int, torch.Tensor]] = {}
+
+    def put(self, handle: int, probs: dict[int, torch.Tensor]) -> None:
+        self._bufs[handle] = probs
+
+    def take(self, handle: int) -> dict[int, torch.Tensor]:
+        return self._bufs.pop(handle, {})
+
+
+class DraftExecutor(Actor):
+    name: ClassVar[str] = "draft"
+    subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved)
+    blocking = True
+
+    def __init__(self, slot, allocator: BlockAllocator, buffers: DraftBuffers, seed: int):
+        super().__init__()
+        self.slot = slot                  # DraftSlot: the model + KV cache while resident (weights actor)
+        self.alloc, self.buffers = allocator, buffers
+        self.mirrors = RequestMirrors(seed, "draft", slot.device)
+        self.sched: StepScheduled | None = None
+
+    def handle(self, msg, now):
+        match msg:
+            case RequestAdmitted():
+                self.mirrors.admit(msg)
+            case TokensCommitted():
+                self._forget(self.mirrors.commit(msg))
+            case RequestsPreempted():
+                self._forget(msg.req_ids)
+            case StepScheduled():
+                self.sched = msg
+            case BlocksReserved() if msg.gamma > 0 and self.sched and msg.step == self.sched.step:
+                return [self._draft(msg.gamma)]
+        return None
+
+    def _forget(self, req_ids) -> None:
+        for rid in req_ids:
+            if self.alloc.has_seq(rid):
+                self.alloc.free(rid)
+
+    def _rows(self) -> list[tuple[int, int, int]]:
+        """(row, req_id, draft_computed) of the rows that draft this step."""
+        s = self.sched
+        return [(i, s.req_ids[i], s.draft_computed[i]) for i in range(s.num_decode) if s.speculate[i]]
+
+    def _prepare(self, rows, gamma: int) -> None:
+        for _, rid, dc in rows:
+            n = len(self.mirrors[rid].tokens)
+            if self.alloc.has_seq(rid) and self.alloc.num_committed(rid) > dc:
+                self.alloc.rollback(rid, dc)
+            self.alloc.reserve(rid, n + gamma)
+
+    def _draft(self, gamma: int) -> StepDrafted:
+        rows = self._rows()
+        self._prepare(rows, gamma)
+        t0 = time.perf_counter()
+        catch_tokens = self._catch_up(rows)
+        t1 = time.perf_counter()
+        tokens, probs = self._propose(rows, gamma)
+        t2 = time.perf_counter()
+        flat = [-1] * (self.sched.num_decode * gamma)
+        for (row, _, _), toks in zip(rows, tokens):
+            flat[row * gamma: (row + 1) * gamma] = toks
+        self.buffers.put(self.sched.step, probs)
+        return StepDrafted(step=self.sched.step, gamma=gamma, draft_tokens=tuple(flat), handle=self.sched.step,
+                           draft_time_s=t2 - t1, catchup_time_s=t1 - t0 if catch_tokens else 0.0,
+                           catchup_tokens=catch_tokens)
+
+    def _catch_up(self, rows) -> int:
+        """Prefill the draft KV of rows lagging by 2+ tokens, up to (not incl.) the last token."""
+        lag = [(rid, dc, len(self.mirrors[rid].tokens) - 1) for _, rid, dc in rows]
+        lag = [(rid, dc, end) for rid, dc, end in lag if end - dc >= 2]
+        if not lag:
+            return 0
+        chunks = [self.mirrors[rid].tokens[dc:end] for rid, dc, end in lag]
+        run_chunks(self.slot.model, self.slot.cache, self.alloc.block_size, chunks, [dc for _, dc, _ in lag],
+                   [self.alloc.block_table(rid) for rid, _, _ in lag], [0] * len(lag))
+        for rid, _, end in lag:
+            self.alloc.commit(rid, end)
+        return sum(len(c) for c in chunks)
+
+    def _propose(self, rows, gamma: int):
+        """γ batched draft calls. Returns per-row draft tokens and q probs [γ, V] of sampling rows."""
+        rids = [rid for _, rid, _ in rows]
+        specs = [self.mirrors[r].sampling for r in rids]
+        temp, top_k, top_p = sampling_tensors(specs, self.slot.device)
+        greedy = [s.temperature <= 0 for s in specs]
+        starts = [self.alloc.num_committed(r) for r in rids]
+        chunks = [self.mirrors[r].tokens[s:] for r, s in zip(rids, starts)]
+        out = [[] for _ in rids]
+        qs: list[list[torch.Tensor]] = [[] for _ in rids]
+        for i in range(gamma):
+            logits = run_chunks(self.slot.model, self.slot.cache, self.alloc.block_size, chunks, starts,
+                                [self.alloc.block_table(r) for r in rids], [1] * len(rids))   # [R, V]
+            nxt = self._pick(logits, greedy, temp, top_k, top_p, rids, qs)
+            for j, tok in enumerate(nxt):
+                out[j].append(tok)
+            starts = [s + len(c) for s, c in zip(starts, chunks)]
+            chunks = [[tok] for tok in nxt]
+        for r, s in zip(rids, starts):
+            self.alloc.commit(r, s)       # drafts d1..d_{γ-1} now sit in the draft KV
+        probs = {r: torch.stack(q) for r, q, g in zip(rids, qs, greedy) if not g}
+        return out, probs
+
+    def _pick(self, logits, greedy, temp, top_k, top_p, rids, qs) -> list[int]:
+        nxt = logits.argmax(-1)                                                        # [R]
+        rand = [j for j, g in enumerate(greedy) if not g]
+        if rand:
+            idx = torch.tensor(rand)
+            q = transform_logits(logits[idx], temp[idx], top_k[idx], top_p[idx])       # [r, V]
+            nxt[idx] = sample_from(q, [self.mirrors[rids[j]].gen for j in rand])
+            for k, j in enumerate(rand):
+                qs[j].append(q[k])
+        return nxt.tolist()

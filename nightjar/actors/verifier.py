@@ -1,0 +1,137 @@
+"""Verifier: one target forward over every row (prefill chunks, decode tokens, γ+1 verify tokens),
+rejection sampling with a bonus token, and the step's measured timing. Rejected slots are rolled
+back by counters (the batcher's num_computed); nothing is freed per rejected token."""
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import torch
+
+from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors
+from nightjar.actors.draft import DraftBuffers
+from nightjar.kernel.actor import Actor
+from nightjar.kernel.messages import (
+    BlocksReserved, RequestAdmitted, StepDrafted, StepScheduled, StepTimed, StepVerified, TokensCommitted,
+)
+from nightjar.triton_kernels.rejection import rejection_sample_ref, sample_from, transform_logits
+
+
+class Verifier(Actor):
+    name: ClassVar[str] = "verifier"
+    subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved, StepDrafted)
+    blocking = True
+
+    def __init__(self, model, cache, block_size: int, buffers: DraftBuffers, seed: int):
+        super().__init__()
+        self.model, self.cache, self.block_size, self.buffers = model, cache, block_size, buffers
+        self.mirrors = RequestMirrors(seed, "target", model.device)
+        self.sched: StepScheduled | None = None
+        self.reserved: BlocksReserved | None = None
+
+    def handle(self, msg, now):
+        match msg:
+            case RequestAdmitted():
+                self.mirrors.admit(msg)
+            case TokensCommitted():
+                self.mirrors.commit(msg)
+            case StepScheduled():
+                self.sched, self.reserved = msg, None
+            case BlocksReserved() if self.sched and msg.step == self.sched.step:
+                self.reserved = msg
+                if msg.gamma == 0:
+                    return self._verify(None)
+            case StepDrafted() if self.reserved and msg.step == self.sched.step:
+                return self._verify(msg)
+        return None
+
+    def _rows(self, drafted: StepDrafted | None):
+        """Chunks fed to the target, their start positions and the number of logits rows of each."""
+        s, g = self.sched, (drafted.gamma if drafted else 0)
+        chunks, nlog, drafts = [], [], []
+        for row, chunk in enumerate(s.chunk_ids):
+            if row < s.num_decode:
+                d = [t for t in drafted.draft_tokens[row * g:(row + 1) * g] if t >= 0] if drafted else []
+                chunks.append(list(chunk) + d); nlog.append(1 + len(d)); drafts.append(d)
+            else:
+                chunks.append(list(chunk)); nlog.append(1 if s.prefill_done[row - s.num_decode] else 0)
+        return chunks, nlog, drafts
+
+    def _verify(self, drafted: StepDrafted | None):
+        t0 = time.perf_counter()
+        chunks, nlog, drafts = self._rows(drafted)
+        logits = run_chunks(self.model, self.cache, self.block_size, chunks, list(self.sched.starts),
+                            list(self.reserved.block_tables), nlog)                       # [N, V]
+        probs_q = self.buffers.take(drafted.handle) if drafted else {}
+        toks, acc = self._decide_tokens(logits, nlog, drafts, probs_q, drafted.gamma if drafted else 0)
+        dt = time.perf_counter() - t0
+        return self._results(toks, acc, drafted, dt)
+
+    def _decide_tokens(self, logits, nlog, drafts, probs_q, gamma):
+        s = self.sched
+        out, acc, pos = [], [], 0
+        offsets = []
+        for row in range(len(s.req_ids)):
+            offsets.append(pos)
+            pos += nlog[row]
+        dec = list(range(s.num_decode))
+        dec_out, dec_acc = self._verify_decode(logits, offsets, drafts, probs_q, gamma) if dec else ([], [])
+        for row in range(len(s.req_ids)):
+            if row < s.num_decode:
+                out.append(dec_out[row]); acc.append(dec_acc[row])
+            elif nlog[row]:
+                out.append([self._sample_one(logits[offsets[row]], s.req_ids[row])]); acc.append(0)
+            else:
+                out.append([]); acc.append(0)
+        return out, acc
+
+    def _verify_decode(self, logits, offsets, drafts, probs_q, gamma):
+        s = self.sched
+        B, G = s.num_decode, gamma
+        rids = list(s.req_ids[:B])
+        idx = torch.tensor([[offsets[b] + min(i, len(drafts[b])) for i in range(G + 1)] for b in range(B)])
+        tl = logits[idx]                                                              # [B, G+1, V]
+        specs = [self.mirrors[r].sampling for r in rids]
+        temp, top_k, top_p = sampling_tensors(specs, tl.device)
+        greedy = temp <= 0
+        p = tl if bool(greedy.all()) else transform_logits(tl, temp[:, None], top_k[:, None], top_p[:, None])
+        dt = torch.tensor([d + [-1] * (G - len(d)) for d in drafts], dtype=torch.int64).view(B, G)
+        nd = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+        q = self._draft_probs(rids, probs_q, G, tl.shape[-1], tl.device) if probs_q else None
+        gens = [self.mirrors[r].gen for r in rids]
+        toks, acc = rejection_sample_ref(p, dt, q, nd, greedy, gens)
+        return [[t for t in row if t >= 0] for row in toks.tolist()], acc.tolist()
+
+    @staticmethod
+    def _draft_probs(rids, probs_q, G, V, device):
+        q = torch.zeros((len(rids), G, V), device=device)
+        for b, r in enumerate(rids):
+            if r in probs_q:
+                q[b, : probs_q[r].shape[0]] = probs_q[r]
+        return q
+
+    def _sample_one(self, logits, rid) -> int:
+        m = self.mirrors[rid]
+        if m.greedy:
+            return int(logits.argmax())
+        temp, top_k, top_p = sampling_tensors([m.sampling], logits.device)
+        probs = transform_logits(logits[None], temp, top_k, top_p)
+        return int(sample_from(probs, [m.gen])[0])
+
+    def _results(self, toks, acc, drafted, verify_time):
+        s = self.sched
+        gamma = drafted.gamma if drafted else 0
+        flat = [t for row in toks for t in row]
+        per_pos = tuple(sum(1 for a in acc[: s.num_decode] if a > i) for i in range(gamma))
+        verified = StepVerified(step=s.step, gamma=gamma, req_ids=s.req_ids, counts=tuple(map(len, toks)),
+                                tokens=tuple(flat), accepted=tuple(acc), num_decode=s.num_decode)
+        timed = StepTimed(
+            step=s.step, batch_size=s.num_decode, gamma=gamma,
+            step_time_s=verify_time + (drafted.draft_time_s if drafted else 0.0),
+            tokens_emitted=sum(len(t) for t in toks[: s.num_decode]), max_draft_lag=s.max_draft_lag,
+            catchup_time_s=drafted.catchup_time_s if drafted else 0.0,
+            catchup_tokens=drafted.catchup_tokens if drafted else 0, accepted_per_pos=per_pos,
+            num_drafts=sum(1 for i in range(s.num_decode) if s.speculate[i]) if gamma else 0,
+            num_prefill_tokens=sum(len(c) for c in s.chunk_ids[s.num_decode:]),
+        )
+        return [verified, timed]

@@ -1,0 +1,328 @@
+"""The embedded asyncio engine: wires the actors on one bus and serves ``generate()`` streams."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, ClassVar
+
+import msgspec
+import torch
+
+from nightjar.actors.admission import Admission
+from nightjar.actors.batcher import Batcher
+from nightjar.actors.draft import DraftBuffers, DraftExecutor
+from nightjar.actors.kv import KVPoolActor
+from nightjar.actors.planner import Planner
+from nightjar.actors.verifier import Verifier
+from nightjar.actors.weights import DraftSlot, WeightMover
+from nightjar.detok import IncrementalText
+from nightjar.kernel.actor import Actor
+from nightjar.kernel.bus import Bus
+from nightjar.kernel.clock import MonotonicClock
+from nightjar.kernel.config import EngineConfig
+from nightjar.kernel.messages import (
+    AbortRequest, FinishReason, RequestRejected, StepTimed, SubmitRequest, TokensCommitted,
+)
+from nightjar.kvpool.blocks import BlockAllocator
+from nightjar.kvpool.cache import KVCache
+from nightjar.models import LoadedModel, load_draft, load_model
+from nightjar.sampling import EngineError, RequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger("nightjar")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    num_drafts: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    tokens_emitted: int = 0
+
+    def observe(self, t: StepTimed) -> None:
+        self.steps += 1
+        self.tokens_emitted += t.tokens_emitted
+        if t.gamma:
+            self.num_drafts += t.num_drafts
+            self.draft_tokens += t.num_drafts * t.gamma
+            self.accepted_tokens += sum(t.accepted_per_pos)
+            pos = self.accepted_per_pos
+            pos.extend([0] * (len(t.accepted_per_pos) - len(pos)))
+            for i, a in enumerate(t.accepted_per_pos):
+                pos[i] += a
+
+
+class Collector(Actor):
+    """The client edge: routes committed tokens and rejections to per-request queues."""
+    name: ClassVar[str] = "collector"
+    subscribes = (TokensCommitted, RequestRejected, StepTimed)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.stats = EngineStats()
+        self.taps: list = []
+
+    def handle(self, msg, now):
+        match msg:
+            case TokensCommitted():
+                pos = 0
+                for rid, n, fin, npr in itertools.zip_longest(msg.req_ids, msg.counts, msg.finish, msg.num_prompt):
+                    q = self.queues.get(rid)
+                    if q is not None:
+                        q.put_nowait((list(msg.tokens[pos: pos + n]), FinishReason(fin), npr or 0))
+                    pos += n
+            case RequestRejected():
+                q = self.queues.get(msg.req_id)
+                if q is not None:
+                    q.put_nowait(RequestError(msg.message, msg.status))
+            case StepTimed():
+                self.stats.observe(msg)
+                for tap in self.taps:
+                    tap(msg, now)
+        return None
+
+
+def _device_total_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class MemoryPlan:
+    budget: int | None
+    target_bytes: int
+    draft_bytes: int
+    draft_kv_bytes: int
+    block_bytes: int
+    num_blocks: int
+    draft_num_blocks: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def draft_footprint(self) -> int:
+        return self.draft_bytes + self.draft_kv_bytes
+
+
+def plan_memory(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None) -> MemoryPlan:
+    """Split the device budget: target weights + draft (weights + KV) + target KV pool."""
+    tc, dtype = target.config, target.model.dtype
+    block = KVCache.block_bytes_for(tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.block_size, dtype)
+    dbytes = draft.model.weight_bytes() if draft else 0
+    budget = None
+    if cfg.num_blocks is not None:
+        n = cfg.num_blocks
+    elif cfg.device_memory is not None:
+        total = _device_total_bytes(target.model.device)
+        budget = int(cfg.device_memory * total if cfg.device_memory <= 1 else cfg.device_memory)
+        n = None
+    else:
+        n = min(cfg.max_num_seqs * cfg.max_model_len // cfg.block_size, 2048)
+    d_blocks, d_block_bytes = 0, 0
+    if draft:
+        dc = draft.config
+        d_block_bytes = KVCache.block_bytes_for(dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.block_size, dtype)
+    if n is None:
+        free = budget - target.model.weight_bytes() - dbytes
+        per_block = block + d_block_bytes          # the draft KV mirrors the pool's token capacity
+        n = free // per_block
+        if n < 4:
+            raise ValueError(f"device_memory {budget} B leaves no room for the KV pool "
+                             f"(target {target.model.weight_bytes()} B + draft {dbytes} B)")
+    if draft:
+        d_blocks = -(-(cfg.draft_kv_tokens or n * cfg.block_size) // cfg.block_size)
+    return MemoryPlan(budget, target.model.weight_bytes(), dbytes, d_blocks * d_block_bytes, block, int(n), d_blocks)
+
+
+class Engine:
+    """``async with Engine(model=..., draft=..., policy=...) as engine: async for out in engine.generate(...)``."""
+
+    def __init__(self, model: str = "smollm2-135m", draft: str | None = "default", policy: str = "nightjar",
+                 *, loaded: tuple[LoadedModel, LoadedModel | None] | None = None, **kwargs: Any):
+        self.config = EngineConfig(model=str(model), draft=None if draft is None else str(draft),
+                                   policy=policy, **kwargs)
+        self._loaded = loaded
+        self._tasks: list[asyncio.Task] = []
+        self._ids = itertools.count(1)
+        self._error: BaseException | None = None
+        self.started = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def _load(self) -> tuple[LoadedModel, LoadedModel | None]:
+        c = self.config
+        if self._loaded is not None:
+            return self._loaded
+        target = load_model(c.model, c.dtype, c.device)
+        wants_draft = c.policy != "off" or c.draft not in (None, "none")
+        draft = load_draft(c.draft, target.config, c.dtype, c.device, c.seed) if wants_draft else None
+        return target, draft
+
+    def _build(self) -> None:
+        c = self.config
+        self.target, self.draft = self._load()
+        self.tokenizer = self.target.tokenizer
+        self.memory = plan_memory(c, self.target, self.draft)
+        tc = self.target.config
+        dev, dtype = self.target.model.device, self.target.model.dtype
+        self.allocator = BlockAllocator(self.memory.num_blocks, c.block_size)
+        self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks, dtype, dev)
+        self.clock = MonotonicClock()
+        self.bus = Bus(self.clock)
+        self.collector = Collector()
+        self.actors = self._make_actors()
+        for a in self.actors + [self.collector]:
+            a.attach(self.bus)
+
+    def _make_actors(self) -> list[Actor]:
+        c, tc = self.config, self.target.config
+        buffers = DraftBuffers()
+        self.batcher = Batcher(self.memory.num_blocks, c.block_size, tc.eos_token_ids, c.max_num_seqs,
+                               c.max_num_batched_tokens, min(c.max_model_len, tc.max_position))
+        slot = self._draft_slot()
+        self.weights = WeightMover(slot)
+        self.planner = Planner(c.policy, c.gamma_max, c.seed, slot is not None)
+        actors = [Admission(tc.vocab_size, min(c.max_model_len, tc.max_position), c.max_queue),
+                  self.batcher, self.planner, KVPoolActor(self.allocator), self.weights,
+                  Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed)]
+        if slot is not None:
+            self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
+            actors.append(DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
+        return actors
+
+    def _draft_slot(self) -> DraftSlot | None:
+        if self.draft is None:
+            return None
+        dc, c = self.draft.config, self.config
+        cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, c.block_size, self.memory.draft_num_blocks,
+                        self.draft.model.dtype, self.draft.model.device)
+        return DraftSlot(self.draft.model, cache, self.draft.model.device)
+
+    async def start(self) -> "Engine":
+        if self.started:
+            return self
+        await asyncio.to_thread(self._build)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute")
+        for a in self.actors + [self.collector]:
+            task = asyncio.create_task(a.run(self._executor), name=f"actor:{a.name}")
+            task.add_done_callback(self._on_actor_done)
+            self._tasks.append(task)
+        self.started = True
+        return self
+
+    def _on_actor_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self._error is not None:
+            return
+        exc = task.exception()
+        self._error = exc or EngineError(f"{task.get_name()} exited")
+        log.error("engine stopped: %s", self._error)
+        self._fail_all(EngineError(f"engine stopped: {self._error}"))
+        for t in self._tasks:
+            t.cancel()
+
+    def _fail_all(self, err: Exception) -> None:
+        for q in self.collector.queues.values():
+            q.put_nowait(err)
+
+    async def stop(self) -> None:
+        if not self.started:
+            return
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._error is None:
+            self._error = EngineError("engine is shut down")
+            self._fail_all(self._error)
+        self._executor.shutdown(wait=True)
+        self.started = False
+
+    async def __aenter__(self) -> "Engine":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    @property
+    def healthy(self) -> bool:
+        return self.started and self._error is None
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict] | list[int]) -> list[int]:
+        """Chat messages go through the chat template; a string is a raw prompt; ints pass through."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special=True)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode_chat(list(prompt))
+        return [int(t) for t in prompt]
+
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: int | None = None,
+                       speculate: bool = True) -> AsyncIterator[RequestOutput]:
+        if not self.healthy:
+            raise EngineError(f"engine is not running: {self._error}" if self._error else "engine is not started")
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        rid = next(self._ids) if request_id is None else request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self.collector.queues[rid] = q
+        try:
+            self.bus.publish("client", [SubmitRequest(req_id=rid, prompt_ids=tuple(ids), sampling=params.to_spec(),
+                                                      speculate=speculate)])
+            async for out in self._stream(rid, q, params, len(ids)):
+                yield out
+        finally:
+            self.collector.queues.pop(rid, None)
+
+    async def _stream(self, rid: int, q: asyncio.Queue, params: SamplingParams, n_prompt: int):
+        text = IncrementalText(self.tokenizer, params.stop)
+        n_out, finished = 0, False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                toks, fin, _ = item
+                if text.stopped:
+                    continue
+                finished = fin != FinishReason.NONE
+                delta = text.push(toks, final=finished)
+                n_out += len(toks)
+                reason = fin.label
+                if text.stopped and not finished:
+                    self.bus.publish("client", [AbortRequest(req_id=rid, reason=FinishReason.STOP)])
+                    finished, reason = True, "stop"
+                yield RequestOutput(rid, delta, toks, text.text, reason, n_prompt, n_out)
+        finally:
+            if not finished and self.healthy:
+                self.bus.publish("client", [AbortRequest(req_id=rid)])
+
+    async def abort(self, request_id: int) -> None:
+        self.bus.publish("client", [AbortRequest(req_id=request_id)])
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.collector.stats
+
+
+async def _collect(engine: Engine, prompt, params: SamplingParams) -> RequestOutput:
+    last, ids = None, []
+    async for out in engine.generate(prompt, params):
+        ids.extend(out.token_ids)
+        last = out
+    last.token_ids = ids
+    return last
+
+
+def generate(prompt, params: SamplingParams | None = None, **engine_kwargs) -> RequestOutput:
+    """Blocking convenience for scripts: start an engine, generate once, stop."""
+    async def main():
+        async with Engine(**engine_kwargs) as engine:
+            return await _collect(engine, prompt, params or SamplingParams())
+    return asyncio.run(main())

@@ -1,0 +1,26 @@
+"""Engine configuration: one frozen Struct (recorded in trace headers)."""
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = "smollm2-135m"
+    draft: str | None = "default"
+    policy: str = "nightjar"
+    gamma_max: int = 4
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None          # explicit pool size (overrides the memory budget)
+    device_memory: float | None = None     # bytes (>1) or a fraction of the device/host memory (<=1)
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue: int = 256                   # admitted-but-unfinished requests before 429s
+    seed: int = 0
+    elastic_memory: bool | None = None     # None: as the policy says
+    low_free_frac: float = 0.10            # τ_low as a fraction of the pool
+    persist_steps: int = 3                 # T_persist
+    offload_on_queue: bool = False         # the paper's v3 trigger (queueing alone offloads)
+    draft_kv_tokens: int | None = None     # draft KV capacity in tokens (default: target pool's)

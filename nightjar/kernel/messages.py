@@ -1,0 +1,198 @@
+"""Typed bus messages: frozen msgspec Structs, one tagged union ``BusMsg``.
+
+Rules: only scalars, str, tuples and nested frozen Structs; no tensors; one columnar message per
+step; a request is sent whole once, deltas after. Facts are past tense, commands imperative.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+
+class Msg(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True, tag=True):
+    """Base of every bus message."""
+
+
+class FinishReason(IntEnum):
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+    @property
+    def label(self) -> str | None:
+        return None if self is FinishReason.NONE else self.name.lower()
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+# ---- external inputs -------------------------------------------------------------------------
+class SubmitRequest(Msg, frozen=True):
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    speculate: bool = True          # per-request opt-out of speculation
+
+
+class AbortRequest(Msg, frozen=True):
+    req_id: int
+    reason: FinishReason = FinishReason.ABORT
+
+
+# ---- admission ---------------------------------------------------------------------------------
+class RequestAdmitted(Msg, frozen=True):
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    speculate: bool = True
+
+
+class RequestRejected(Msg, frozen=True):
+    req_id: int
+    status: int                     # HTTP-like: 400 bad input, 429 queue full, 503 stopping
+    message: str
+
+
+# ---- one step ----------------------------------------------------------------------------------
+class StepScheduled(Msg, frozen=True):
+    """Batcher's choice. Rows [0, num_decode) decode, the rest are prefill chunks."""
+    step: int
+    req_ids: tuple[int, ...]
+    starts: tuple[int, ...]          # first position fed (== tokens in target KV)
+    chunk_ids: tuple[tuple[int, ...], ...]   # tokens fed: decode rows hold the last token only
+    num_decode: int
+    draft_computed: tuple[int, ...]  # tokens already in the draft KV (decode rows)
+    speculate: tuple[bool, ...]      # per decode row: may this row draft
+    prefill_done: tuple[bool, ...]   # per row: does this chunk finish the prompt (needs a token)
+    max_draft_lag: int = 0
+    num_waiting: int = 0
+
+
+class StepPlanned(Msg, frozen=True):
+    step: int
+    gamma: int
+
+
+class BlocksReserved(Msg, frozen=True):
+    step: int
+    gamma: int                       # may be lower than planned when blocks ran short
+    block_tables: tuple[tuple[int, ...], ...]   # one per scheduled row
+    num_free: int
+    num_total: int
+
+
+class StepDrafted(Msg, frozen=True):
+    step: int
+    gamma: int
+    draft_tokens: tuple[int, ...]    # [num_decode * gamma] flattened, -1 for rows that did not draft
+    handle: int                      # draft-prob buffer handle (sampling rows)
+    draft_time_s: float
+    catchup_time_s: float = 0.0
+    catchup_tokens: int = 0
+
+
+class StepVerified(Msg, frozen=True):
+    """Verifier's result: per row, the tokens emitted (accepted drafts + 1) and accepted counts."""
+    step: int
+    gamma: int
+    req_ids: tuple[int, ...]
+    counts: tuple[int, ...]          # tokens emitted per row (0 for non-final prefill chunks)
+    tokens: tuple[int, ...]          # flattened
+    accepted: tuple[int, ...]        # accepted drafts per row
+    num_decode: int
+
+
+class StepTimed(Msg, frozen=True):
+    """Measured quantities of one step (the planner's reward; replay re-feeds them)."""
+    step: int
+    batch_size: int
+    gamma: int
+    step_time_s: float
+    tokens_emitted: int
+    max_draft_lag: int = 0
+    catchup_time_s: float = 0.0
+    catchup_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    num_drafts: int = 0
+    num_prefill_tokens: int = 0
+
+
+class TokensCommitted(Msg, frozen=True):
+    """Batcher's per-step delta for clients: new tokens per request and finishes."""
+    step: int
+    req_ids: tuple[int, ...]
+    counts: tuple[int, ...]
+    tokens: tuple[int, ...]
+    num_computed: tuple[int, ...]    # tokens now held in the target KV per request
+    finish: tuple[int, ...]          # FinishReason per request
+    num_prompt: tuple[int, ...] = ()
+
+
+class RequestsPreempted(Msg, frozen=True):
+    req_ids: tuple[int, ...]
+
+
+class ReleaseBlocks(Msg, frozen=True):
+    """Command to the KV pool: free these requests' blocks (finished, aborted or preempted)."""
+    req_ids: tuple[int, ...]
+
+
+# ---- draft residency and elastic memory --------------------------------------------------------
+class OffloadDraft(Msg, frozen=True):
+    reason: str = ""
+
+
+class ReloadDraft(Msg, frozen=True):
+    reason: str = ""
+
+
+class DraftOffloaded(Msg, frozen=True):
+    bytes_moved: int
+    duration_s: float
+    freed_blocks: int                # blocks the pool may grow by
+
+
+class DraftReloaded(Msg, frozen=True):
+    bytes_moved: int
+    duration_s: float
+
+
+class PoolResized(Msg, frozen=True):
+    num_total: int
+    delta: int
+    migrated: int = 0
+    duration_s: float = 0.0
+
+
+class DraftResidency(Msg, frozen=True):
+    resident: bool
+    state: str
+
+
+# ---- lifecycle ---------------------------------------------------------------------------------
+class EngineStopping(Msg, frozen=True):
+    reason: str = ""
+
+
+class ActorFailed(Msg, frozen=True):
+    actor: str
+    error: str
+
+
+BusMsg = (
+    SubmitRequest | AbortRequest | RequestAdmitted | RequestRejected | StepScheduled | StepPlanned
+    | BlocksReserved | StepDrafted | StepVerified | StepTimed | TokensCommitted | RequestsPreempted | ReleaseBlocks
+    | OffloadDraft | ReloadDraft | DraftOffloaded | DraftReloaded | PoolResized | DraftResidency
+    | EngineStopping | ActorFailed
+)
