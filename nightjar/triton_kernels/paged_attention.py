@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -35,21 +37,22 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         blocks = block_tables[b, : -(-ctx // bs)].long()
         k = k_cache[blocks].reshape(-1, nkv, d)[:ctx].float()               # [ctx, nkv, d]
         v = v_cache[blocks].reshape(-1, nkv, d)[:ctx].float()
-        qb = q[lo:hi].float()                                                # [n, nh, d]
+        k = k.repeat_interleave(nh // nkv, dim=1)                            # [ctx, nh, d] (GQA)
+        v = v.repeat_interleave(nh // nkv, dim=1)
         qpos = torch.arange(ctx - (hi - lo), ctx, device=q.device)           # [n]
         mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [n, ctx]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qb.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=True)                   # [nh, n, d]
-        out[lo:hi] = o.transpose(0, 1).to(q.dtype)
+        s = torch.einsum("nhd,khd->hnk", q[lo:hi].float(), k) * scale        # [nh, n, ctx]
+        p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+        o = torch.einsum("hnk,khd->nhd", p, v)                               # [n, nh, d]
+        out[lo:hi] = o.to(q.dtype)
     return out
 
 
 @triton.jit
 def _find_seq(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest b with query_start_loc[b] // BLOCK_Q + b <= tile."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs          # annotated: stays an int32 tensor even when B == 1 specializes
     while lo < hi:
         mid = (lo + hi) // 2
         start = tl.load(query_start_loc + mid).to(tl.int32) // BLOCK_Q + mid

@@ -18,8 +18,10 @@ walks the drafts and writes tokens ``[B, G+1]`` (-1 padded) and accepted counts 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def draw_noise(gens: list[torch.Generator | None], random_rows: list[bool], G: int, V: int,
@@ -69,8 +71,8 @@ def rejection_sample_noise_ref(target_probs, draft_tokens, draft_probs, num_draf
         use_res = (k < num_draft) & (res.amax(-1) > 0)
         w = torch.where(use_res[:, None], res, pk)
     last = torch.where(greedy, argmax.gather(1, k[:, None])[:, 0], _race(w, exp_noise.float()))
-    out = torch.where(pos[None, :G] < k[:, None], draft_tokens.long(), -1)  # [B, G]
-    out = torch.cat((out, torch.full_like(out[:, :1], -1)), 1)              # [B, G+1]
+    padded = torch.cat((draft_tokens.long(), draft_tokens.new_full((B, 1), -1).long()), 1)
+    out = torch.where(pos[None, :] < k[:, None], padded, -1)                # [B, G+1]
     out.scatter_(1, k[:, None], last[:, None])
     return out, k
 

@@ -1,0 +1,161 @@
+"""The ``nightjar`` command line: serve, generate, models, distill, bench, replay, trace, simulate, profile."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint dir")
+    g.add_argument("--draft", default="default", help='draft model: "default" (shipped), a path, or "none"')
+    g.add_argument("--policy", default="nightjar",
+                   help="speculation policy: nightjar, nightjar-nooffload, off, fixed:K, table:..., dsd, banditspec")
+    g.add_argument("--gamma-max", type=int, default=4, help="largest number of draft tokens per step")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--device-memory", type=float, default=None,
+                   help="memory budget for weights + KV: bytes (>1) or a fraction of the device (<=1)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the budget)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429s")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trace", default=None, help="record every bus envelope to this file")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    keys = ["model", "draft", "policy", "gamma_max", "dtype", "device", "device_memory", "num_blocks",
+            "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue", "seed"]
+    kw = {k: getattr(a, k) for k in keys}
+    kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
+    return kw
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from nightjar.engine import Engine
+    from nightjar.sampling import SamplingParams
+
+    async def run():
+        async with Engine(**engine_kwargs(a)) as eng:
+            prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed_sampling,
+                                    top_p=a.top_p, top_k=a.top_k, stop=a.stop or [])
+            t0, ids, text, fin = time.perf_counter(), [], "", None
+            async for out in eng.generate(prompt, params):
+                ids += out.token_ids
+                text, fin = out.text, out.finish_reason
+                if not a.json:
+                    print(out.text_delta, end="", flush=True)
+            dt = time.perf_counter() - t0
+            s = eng.stats
+            stats = {"steps": s.steps, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+                     "tokens_per_s": round(len(ids) / dt, 2) if dt > 0 else 0.0}
+            if a.json:
+                print(json.dumps({"text": text, "token_ids": ids, "finish_reason": fin, "stats": stats}))
+            else:
+                print(f"\n[{fin}] {len(ids)} tokens, {stats['tokens_per_s']} tok/s, "
+                      f"accepted {s.accepted_tokens}/{s.draft_tokens} drafts", file=sys.stderr)
+    asyncio.run(run())
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        app = importlib.import_module("nightjar.api.app")
+    except ImportError as e:
+        print(f"the server is not available: {e}", file=sys.stderr)
+        return 1
+    app.serve(engine_kwargs(a), host=a.host, port=a.port, api_key=a.api_key, trace=a.trace)
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from nightjar.models import DEFAULT_DRAFT_DIR, hub
+
+    if a.action == "pull":
+        for name in a.names or [hub.DEFAULT_MODEL]:
+            path = hub.pull(name, quiet=a.quiet)
+            if not a.quiet:
+                print(f"{name}: {path}")
+        return 0
+    for name, entry in hub.REGISTRY.items():
+        state = "pulled" if hub.is_pulled(name) else "not pulled"
+        print(f"{name:16s} {state:10s} {entry.description}")
+    draft = "shipped" if (DEFAULT_DRAFT_DIR / "config.json").exists() else "missing (random draft is used)"
+    print(f"{'default draft':16s} {draft:10s} {DEFAULT_DRAFT_DIR}")
+    return 0
+
+
+def _delegate(module: str):
+    def run(a: argparse.Namespace) -> int:
+        mod = importlib.import_module(module)
+        return mod.main(a.rest) or 0
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nightjar", description="Nightjar: LLM serving with adaptive speculative "
+                                "decoding and elastic draft memory.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or NIGHTJAR_API_KEY)")
+    s.set_defaults(func=cmd_serve)
+    g = sub.add_parser("generate", help="generate once from a prompt (one user chat message unless --raw)")
+    _engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+    m = sub.add_parser("models", help="pull or list models")
+    m.add_argument("action", choices=["pull", "list"])
+    m.add_argument("names", nargs="*")
+    m.add_argument("--quiet", action="store_true")
+    m.set_defaults(func=cmd_models)
+    for name, module, text in [
+        ("distill", "nightjar.models.distill", "train the default draft by distillation"),
+        ("bench", "nightjar.bench.cli", "benchmarks: serve, compare"),
+        ("replay", "nightjar.replay", "replay a recorded trace"),
+        ("trace", "nightjar.trace_tools", "inspect a trace: summary"),
+        ("simulate", "nightjar.simulate", "what-if simulation on the same actors"),
+        ("profile", "nightjar.profile", "measure step-time profile of this machine"),
+    ]:
+        d = sub.add_parser(name, help=text, add_help=False)
+        d.add_argument("rest", nargs=argparse.REMAINDER)
+        d.set_defaults(func=_delegate(module))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(a, "api_key", None) is None and a.cmd == "serve":
+        import os
+        a.api_key = os.environ.get("NIGHTJAR_API_KEY")
+    if getattr(a, "seed", None) is not None and a.cmd == "generate" and a.seed_sampling is None:
+        a.seed_sampling = a.seed
+    return a.func(a) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Distil a small draft for the default target: ``python -m nightjar.models.distill --out DIR``.
+
+1. The target answers the training prompts (greedy, plus sampled variants) through the engine.
+2. Teacher forcing over prompt+answer gives the target's top-k next-token distribution per answer token.
+3. The draft (narrow, shallow, tied embeddings initialised from a PCA of the target's) learns those
+   soft targets (KL on the renormalised top-k) plus the hard next token. Checkpoints let a stop resume.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nightjar.data import load_prompts
+from nightjar.models import DEFAULT_DRAFT_DIR, LlamaModel, build_layout, load_model
+from nightjar.models.config import ModelConfig
+from nightjar.models.llama import apply_rope
+from nightjar.kvpool.cache import KVCache
+
+TOPK = 16
+
+
+def draft_config(target: ModelConfig, hidden=256, layers=3, inter=1024, heads=4, kv_heads=2) -> ModelConfig:
+    return ModelConfig(vocab_size=target.vocab_size, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads, rms_eps=target.rms_eps,
+                       rope_theta=target.rope_theta, max_position=target.max_position, tie_embeddings=True,
+                       bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids,
+                       name="nightjar/smollm2-135m-draft")
+
+
+# ---- 1. corpus -----------------------------------------------------------------------------------
+async def _answers(engine, prompts, params_list):
+    from nightjar.sampling import SamplingParams  # noqa: F401
+
+    async def one(p, sp):
+        ids = engine.encode([{"role": "user", "content": p["prompt"]}])
+        out = []
+        async for o in engine.generate(ids, sp):
+            out += o.token_ids
+        return {"id": p["id"], "prompt_ids": ids, "answer_ids": out}
+    return await asyncio.gather(*[one(p, sp) for p in prompts for sp in params_list])
+
+
+def make_corpus(target, prompts, samples: int, seed: int) -> list[dict]:
+    from nightjar.engine import Engine
+    from nightjar.sampling import SamplingParams
+
+    async def main():
+        params = [SamplingParams(max_tokens=160)]
+        params += [SamplingParams(max_tokens=160, temperature=0.7, top_p=0.95, seed=seed + i) for i in range(samples)]
+        async with Engine(policy="off", draft=None, loaded=(target, None), max_num_seqs=48,
+                          max_num_batched_tokens=1024, max_queue=100000) as eng:
+            return await _answers(eng, prompts, params)
+    return asyncio.run(main())
+
+
+# ---- 2. teacher ----------------------------------------------------------------------------------
+@torch.inference_mode()
+def teacher_topk(target, corpus: list[dict], k: int = TOPK, batch_tokens: int = 2048) -> None:
+    """Adds ``topk_ids``/``topk_logp`` per answer position (predicting answer token j from its prefix)."""
+    cfg, bs = target.config, 16
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs, batch_tokens // bs + 64,
+                    target.model.dtype)
+    i = 0
+    while i < len(corpus):
+        group, used = [], 0
+        while i < len(corpus) and (not group or used + _len(corpus[i]) <= batch_tokens):
+            group.append(corpus[i]); used += _len(corpus[i]) + bs; i += 1
+        _teacher_group(target.model, cache, group, k, bs)
+
+
+def _len(rec) -> int:
+    return len(rec["prompt_ids"]) + len(rec["answer_ids"])
+
+
+def _teacher_group(model, cache, group, k, bs):
+    chunks, tables, rows, nxt = [], [], [], 0
+    for r in group:
+        seq = r["prompt_ids"] + r["answer_ids"][:-1] if r["answer_ids"] else r["prompt_ids"]
+        nb = -(-len(seq) // bs)
+        chunks.append(seq); tables.append(tuple(range(nxt, nxt + nb))); nxt += nb
+        rows.append(len(r["answer_ids"]))
+    lay = build_layout(chunks, [0] * len(chunks), tables, bs, rows)
+    logp = model(lay, cache).log_softmax(-1)                                      # [N, V]
+    top = logp.topk(k, dim=-1)
+    pos = 0
+    for r, n in zip(group, rows):
+        r["topk_ids"] = top.indices[pos: pos + n].tolist()
+        r["topk_logp"] = [[round(x, 4) for x in row] for row in top.values[pos: pos + n].tolist()]
+        pos += n
+
+
+# ---- 3. training ---------------------------------------------------------------------------------
+def dense_forward(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+    """Causal forward for training (no paged cache). ids [B, S] -> logits [B, S, V]."""
+    c = model.cfg
+    B, S = ids.shape
+    x = model.embed_tokens(ids)                                                   # [B, S, h]
+    cos, sin = model.rope(torch.arange(S))                                        # [S, 1, d]
+    for layer in model.layers:
+        a = layer.self_attn
+        hx = layer.input_layernorm(x)
+        q = apply_rope(a.q_proj(hx).view(B, S, c.num_heads, c.head_dim), cos, sin)
+        kk = apply_rope(a.k_proj(hx).view(B, S, c.num_kv_heads, c.head_dim), cos, sin)
+        v = a.v_proj(hx).view(B, S, c.num_kv_heads, c.head_dim)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)       # [B, nh, S, d]
+        x = x + a.o_proj(o.transpose(1, 2).reshape(B, S, c.q_size))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.norm(x))
+
+
+def init_draft(cfg: ModelConfig, target: LlamaModel, seed: int) -> LlamaModel:
+    """Random layers; embeddings = the target's projected on their top principal directions."""
+    torch.manual_seed(seed)
+    model = LlamaModel(cfg)
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    emb = target.embed_tokens.weight.detach().float()                            # [V, H]
+    _, _, vh = torch.linalg.svd(emb[:8192] - emb[:8192].mean(0), full_matrices=False)
+    proj = emb @ vh[: cfg.hidden_size].T                                          # [V, h]
+    model.embed_tokens.weight.data.copy_(proj / proj.std() * 0.05)
+    model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def make_batches(corpus, max_len: int, batch: int, gen: torch.Generator):
+    order = torch.randperm(len(corpus), generator=gen).tolist()
+    for i in range(0, len(order) - batch + 1, batch):
+        yield [corpus[j] for j in order[i: i + batch]]
+
+
+def collate(recs, max_len: int, k: int):
+    seqs = [(r["prompt_ids"] + r["answer_ids"])[-max_len:] for r in recs]
+    S = max(len(s) for s in seqs)
+    ids = torch.zeros((len(recs), S), dtype=torch.int64)
+    tid = torch.zeros((len(recs), S, k), dtype=torch.int64)
+    tlp = torch.full((len(recs), S, k), -1e4)
+    mask = torch.zeros((len(recs), S), dtype=torch.bool)
+    for b, (r, s) in enumerate(zip(recs, seqs)):
+        ids[b, : len(s)] = torch.tensor(s)
+        n = len(r["answer_ids"])
+        start = len(s) - n - 1          # position predicting answer token 0
+        lo = max(0, -start)
+        if n - lo > 0:
+            tid[b, start + lo: start + n] = torch.tensor(r["topk_ids"][lo:n])
+            tlp[b, start + lo: start + n] = torch.tensor(r["topk_logp"][lo:n])
+            mask[b, start + lo: start + n] = True
+    return ids, tid, tlp, mask
+
+
+def kd_loss(logits, tid, tlp, mask, hard_weight: float = 0.2):
+    """KL(teacher top-k renormalised || draft) + hard CE on the teacher's argmax."""
+    lp = logits[mask].float().log_softmax(-1)                                     # [M, V]
+    t = tlp[mask].softmax(-1)                                                     # [M, k]
+    ids = tid[mask]
+    soft = -(t * lp.gather(-1, ids)).sum(-1).mean()
+    hard = -lp.gather(-1, ids[:, :1]).mean()
+    return soft + hard_weight * hard
+
+
+def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=384, seed=0, log=print):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    ckpt = out / "checkpoint.pt"
+    state = {"step": 0, "epoch": 0, "elapsed": 0.0, "losses": []}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"]); opt.load_state_dict(saved["opt"]); state = saved["state"]
+        log(f"resumed at step {state['step']}")
+    gen = torch.Generator().manual_seed(seed)
+    est_steps = max(1, int(minutes * 60 / 1.0))
+    t_start, last_ck = time.time() - state["elapsed"], time.time()
+    while time.time() - t_start < minutes * 60:
+        for recs in make_batches(corpus, max_len, batch, gen):
+            ids, tid, tlp, mask = collate(recs, max_len, TOPK)
+            frac = min(1.0, (time.time() - t_start) / (minutes * 60))
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            loss = kd_loss(dense_forward(model, ids), tid, tlp, mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            state["step"] += 1
+            state["losses"].append(round(float(loss), 4))
+            if state["step"] % 20 == 0:
+                log(f"step {state['step']} epoch {state['epoch']} loss {sum(state['losses'][-20:]) / 20:.4f} "
+                    f"t {time.time() - t_start:.0f}s")
+            if time.time() - last_ck > 300:
+                state["elapsed"] = time.time() - t_start
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
+                last_ck = time.time()
+            if time.time() - t_start >= minutes * 60:
+                break
+        state["epoch"] += 1
+    state["elapsed"] = time.time() - t_start
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
+    return state
+
+
+def save_draft(model: LlamaModel, directory: Path, card: str) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg.to_hf_dict()
+    cfg["torch_dtype"] = "bfloat16"
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().to(torch.bfloat16).contiguous()
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "README.md").write_text(card)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".distill", help="work dir (corpus, checkpoints)")
+    ap.add_argument("--ship", default=str(DEFAULT_DRAFT_DIR), help="where the finished draft is saved")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
+    ap.add_argument("--samples", type=int, default=2, help="sampled answers per prompt besides greedy")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
+    log = lambda s: print(f"[distill {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731
+    target = load_model(a.model, "bfloat16")
+    corpus_path = out / "corpus.jsonl"
+    if not corpus_path.exists():
+        t0 = time.time()
+        corpus = make_corpus(target, load_prompts(split="train"), a.samples, a.seed)
+        log(f"corpus: {len(corpus)} answers, {sum(len(r['answer_ids']) for r in corpus)} tokens, {time.time() - t0:.0f}s")
+        t0 = time.time()
+        teacher_topk(target, corpus)
+        log(f"teacher top-{TOPK}: {time.time() - t0:.0f}s")
+        corpus_path.write_text("\n".join(json.dumps(r) for r in corpus))
+    corpus = [json.loads(line) for line in corpus_path.read_text().splitlines()]
+    cfg = draft_config(target.config)
+    model = init_draft(cfg, target.model, a.seed)
+    state = train(model, corpus, a.minutes, out, seed=a.seed, log=log)
+    card = model_card(cfg, corpus, state, a)
+    save_draft(model, Path(a.ship), card)
+    log(f"saved draft to {a.ship} after {state['step']} steps, final loss {sum(state['losses'][-50:]) / 50:.4f}")
+
+
+def model_card(cfg: ModelConfig, corpus, state, a) -> str:
+    n_tok = sum(len(r["answer_ids"]) for r in corpus)
+    return f"""# smollm2-135m-draft
+
+A draft model for speculative decoding with SmolLM2-135M-Instruct, distilled by Nightjar on CPU.
+
+- Shape: Llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads ({cfg.num_kv_heads} KV),
+  MLP {cfg.intermediate_size}, tied embeddings, vocabulary {cfg.vocab_size} (the target's tokenizer).
+- Data: the target's own answers to the {len({r['id'] for r in corpus})} training prompts of
+  `nightjar/data/prompts.jsonl` (greedy + {a.samples} sampled answers each; {len(corpus)} answers,
+  {n_tok} answer tokens); the held-out split was never seen.
+- Objective: KL to the target's renormalised top-{TOPK} next-token distribution + 0.2 × CE on its argmax.
+  Embeddings initialised from a PCA of the target's embedding matrix.
+- Training: {state['step']} steps of AdamW (batch 16, lr 2e-3 cosine), {state['elapsed'] / 60:.1f} min on 2 CPU cores,
+  final loss {sum(state['losses'][-50:]) / max(1, len(state['losses'][-50:])):.3f}.
+- Reproduce: `python -m nightjar.models.distill --minutes {a.minutes:g} --samples {a.samples} --seed {a.seed}`.
+
+## Measured acceptance
+See the section appended by `bench/acceptance.py --write-card`.
+"""
+
+
+if __name__ == "__main__":
+    main()
