@@ -60,6 +60,7 @@ class Batcher(Actor):
         self.inflight: StepScheduled | None = None
         self.arrivals = 0
         self.num_preemptions = 0
+        self.aborts: dict[int, FinishReason] = {}
 
     # ---- message dispatch ----------------------------------------------------------------------
     def handle(self, msg, now):
@@ -92,8 +93,10 @@ class Batcher(Actor):
         seq = self.seqs.get(req_id)
         if seq is None:
             return []
-        out = self._finish_now(seq, reason)
-        return out
+        if self.inflight is not None and req_id in self.inflight.req_ids:
+            self.aborts[req_id] = reason        # the step in flight still uses its blocks: finish at commit
+            return []
+        return self._finish_now(seq, reason)
 
     def _finish_now(self, seq: Seq, reason: FinishReason) -> list:
         """Drop a request now (abort): release its blocks and tell clients."""
@@ -130,9 +133,11 @@ class Batcher(Actor):
             new = msg.tokens[pos: pos + msg.counts[row]]
             pos += msg.counts[row]
             seq = self.seqs.get(rid)
-            if seq is None:        # aborted while the step ran
+            if seq is None:
                 continue
             kept, reason = self._advance(seq, sched, row, new, msg.accepted[row], msg.gamma)
+            if rid in self.aborts:
+                kept, reason = [], self.aborts.pop(rid)
             ids.append(rid); counts.append(len(kept)); toks.extend(kept)
             comp.append(seq.num_computed); fin.append(int(reason)); nprompt.append(seq.num_prompt)
         out = [TokensCommitted(step=msg.step, req_ids=tuple(ids), counts=tuple(counts), tokens=tuple(toks),

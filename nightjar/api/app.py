@@ -139,6 +139,7 @@ class ServerState:
 
 
 STATE = web.AppKey("nightjar_state", ServerState)
+STATE_LIMIT = web.AppKey("nightjar_max_body_bytes", int)
 
 
 # ---- responses and errors --------------------------------------------------------------------------
@@ -186,9 +187,6 @@ async def auth_middleware(request: web.Request, handler):
             raise ApiError("Incorrect API key provided", 401, code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
     return await handler(request)
-
-
-STATE_LIMIT = web.AppKey("nightjar_max_body_bytes", int)
 
 
 async def read_json(request: web.Request, kind: type):

@@ -8,6 +8,8 @@ import pytest
 
 from api_support import MODEL, wait_until
 
+from nightjar.kernel.messages import AbortRequest, FinishReason
+
 CHAT = "/v1/chat/completions"
 
 
@@ -23,6 +25,8 @@ def pool_is_idle(engine) -> bool:
 async def test_a_client_that_disconnects_mid_stream_frees_its_blocks(serve):
     srv = await serve("off")
     engine = srv.engine
+    aborts = []
+    engine.bus.add_tap(lambda env: aborts.append(env.msg) if isinstance(env.msg, AbortRequest) else None)
     async with aiohttp.ClientSession(srv.url) as s:
         resp = await s.post(CHAT, json=long_chat(stream=True))
         assert resp.status == 200 and resp.content_type == "text/event-stream"
@@ -35,6 +39,7 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_blocks(serve):
         resp.close()                                                         # drop the connection
         assert await wait_until(lambda: pool_is_idle(engine), timeout=2.0)
     assert engine.stats.tokens_emitted < 900                                # it was aborted, not finished
+    assert [a.reason for a in aborts] == [FinishReason.ABORT]
     assert engine.healthy
 
 
