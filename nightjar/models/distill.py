@@ -38,11 +38,17 @@ def draft_config(target: ModelConfig, hidden=256, layers=3, inter=1024, heads=4,
 async def _answers(engine, prompts, params_list):
     from nightjar.sampling import SamplingParams  # noqa: F401
 
+    done, t0 = [0], time.time()
+
     async def one(p, sp):
         ids = engine.encode([{"role": "user", "content": p["prompt"]}])
         out = []
         async for o in engine.generate(ids, sp):
             out += o.token_ids
+        done[0] += 1
+        if done[0] % 100 == 0:
+            print(f"[distill] corpus {done[0]}/{len(prompts) * len(params_list)} answers, "
+                  f"{time.time() - t0:.0f}s", flush=True)
         return {"id": p["id"], "prompt_ids": ids, "answer_ids": out}
     return await asyncio.gather(*[one(p, sp) for p in prompts for sp in params_list])
 

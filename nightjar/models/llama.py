@@ -145,17 +145,26 @@ class Attention(nn.Module):
 
 
 def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale: float) -> torch.Tensor:
-    """Torch reference paged attention for varlen queries. q [T, nh, d] -> [T, nh, d]."""
+    """Torch reference paged attention for varlen queries. q [T, nh, d] -> [T, nh, d].
+
+    Grouped-query matmuls instead of SDPA: on CPU, SDPA's flash kernel costs ~5 ms per layer at
+    B=32, Q=1, K=256 where these two bmm cost ~0.5 ms (measured, bf16, 2 cores).
+    """
     B, Q = lay.q_index.shape
     K = lay.attn_mask.shape[-1]
     T, nh, d = q.shape
     kc, vc = cache.gather(layer, lay.block_tables)                # [B, nb*bs, nkv, d]
-    kc, vc = kc[:, :K].transpose(1, 2), vc[:, :K].transpose(1, 2)  # [B, nkv, K, d]
+    nkv = kc.shape[2]
+    g = nh // nkv
     qp = torch.cat((q, q.new_zeros(1, nh, d)))[lay.q_index]       # [B, Q, nh, d]
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), kc, vc, attn_mask=lay.attn_mask, scale=scale, enable_gqa=True,
-    )                                                             # [B, nh, Q, d]
-    return out.transpose(1, 2).reshape(B * Q, nh, d)[lay.flat_index]
+    qg = qp.view(B, Q, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, Q * g, d)
+    kt = kc[:, :K].permute(0, 2, 3, 1)                            # [B, nkv, d, K]
+    scores = torch.matmul(qg, kt).float() * scale                 # [B, nkv, Q*g, K]
+    mask = lay.attn_mask.expand(B, 1, Q, K).unsqueeze(3).expand(B, 1, Q, g, K).reshape(B, 1, Q * g, K)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+    out = torch.matmul(probs, vc[:, :K].transpose(1, 2))          # [B, nkv, Q*g, d]
+    out = out.view(B, nkv, Q, g, d).permute(0, 2, 1, 3, 4).reshape(B * Q, nh, d)
+    return out[lay.flat_index]
 
 
 class MLP(nn.Module):

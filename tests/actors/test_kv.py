@@ -1,0 +1,39 @@
+"""KVPoolActor.handle() driven directly."""
+from __future__ import annotations
+
+from nightjar.actors.kv import KVPoolActor
+from nightjar.kernel.messages import ReleaseBlocks, StepPlanned, StepScheduled, TokensCommitted
+from nightjar.kvpool.blocks import BlockAllocator
+
+
+def step(rows, num_decode, speculate=None):
+    return StepScheduled(step=1, req_ids=tuple(r for r, _, _ in rows), starts=tuple(s for _, s, _ in rows),
+                         chunk_ids=tuple(c for _, _, c in rows), num_decode=num_decode,
+                         draft_computed=(0,) * num_decode, speculate=speculate or (True,) * num_decode,
+                         prefill_done=(True,) * (len(rows) - num_decode))
+
+
+def test_reserves_gamma_plus_one_slots_for_decode_rows():
+    kv = KVPoolActor(BlockAllocator(10, 4))
+    kv.handle(step([(1, 5, (9,)), (2, 0, (1, 2, 3))], num_decode=1), 0.0)
+    (res,) = kv.handle(StepPlanned(step=1, gamma=3), 0.0)
+    assert res.gamma == 3 and len(res.block_tables[0]) == 3 and len(res.block_tables[1]) == 1   # 5+1+3 = 9 slots
+
+
+def test_lowers_gamma_when_blocks_run_short():
+    kv = KVPoolActor(BlockAllocator(2, 4))
+    kv.handle(step([(1, 5, (9,))], num_decode=1), 0.0)
+    (res,) = kv.handle(StepPlanned(step=1, gamma=4), 0.0)
+    assert res.gamma == 2 and res.num_free == 0
+
+
+def test_commit_counts_and_release_free_everything():
+    alloc = BlockAllocator(10, 4)
+    kv = KVPoolActor(alloc)
+    kv.handle(step([(1, 0, (1, 2, 3, 4, 5))], num_decode=0), 0.0)
+    kv.handle(StepPlanned(step=1, gamma=0), 0.0)
+    kv.handle(TokensCommitted(step=1, req_ids=(1,), counts=(1,), tokens=(6,), num_computed=(5,), finish=(0,)), 0.0)
+    assert alloc.num_committed(1) == 5
+    kv.handle(ReleaseBlocks(req_ids=(1,)), 0.0)
+    alloc.check_integrity()
+    assert alloc.num_free == 10
