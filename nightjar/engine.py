@@ -210,6 +210,7 @@ class Engine:
         if self.started:
             return self
         await asyncio.to_thread(self._build)
+        self._open_trace()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute")
         for a in self.actors + [self.collector]:
             task = asyncio.create_task(a.run(self._executor), name=f"actor:{a.name}")
@@ -217,6 +218,24 @@ class Engine:
             self._tasks.append(task)
         self.started = True
         return self
+
+    def _open_trace(self) -> None:
+        self.tracer = None
+        if self.config.trace:
+            from nightjar.kernel.trace import TraceWriter
+
+            self.tracer = TraceWriter(self.config.trace, self.trace_header(), max_bytes=self.config.trace_max_bytes)
+            self.bus.add_tap(self.tracer.write)
+
+    def trace_header(self) -> dict:
+        """What a trace needs to re-drive the control plane: config, sizes, model identities."""
+        return {
+            "config": msgspec.to_builtins(self.config), "num_blocks": self.memory.num_blocks,
+            "draft_num_blocks": self.memory.draft_num_blocks, "eos_token_ids": list(self.target.config.eos_token_ids),
+            "vocab_size": self.target.config.vocab_size, "max_position": self.target.config.max_position,
+            "target": self.target.source, "draft": self.draft.source if self.draft else None,
+            "torch": torch.__version__,
+        }
 
     def _on_actor_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or self._error is not None:
@@ -242,6 +261,9 @@ class Engine:
             self._error = EngineError("engine is shut down")
             self._fail_all(self._error)
         self._executor.shutdown(wait=True)
+        if self.tracer is not None:
+            self.bus.remove_tap(self.tracer.write)
+            self.tracer.close()
         self.started = False
 
     async def __aenter__(self) -> "Engine":

@@ -5,7 +5,7 @@ from typing import ClassVar
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    AbortRequest, RequestAdmitted, RequestRejected, SamplingSpec, SubmitRequest, TokensCommitted,
+    AbortRequest, CancelRequest, RequestAdmitted, RequestRejected, SamplingSpec, SubmitRequest, TokensCommitted,
 )
 
 
@@ -46,6 +46,8 @@ class Admission(Actor):
         match msg:
             case SubmitRequest():
                 return [self._submit(msg)]
+            case AbortRequest() if msg.req_id in self.in_flight:
+                return [CancelRequest(req_id=msg.req_id, reason=msg.reason)]
             case TokensCommitted():
                 self.in_flight.difference_update(r for r, f in zip(msg.req_ids, msg.finish) if f)
         return None

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    AbortRequest, BlocksReserved, DraftOffloaded, FinishReason, PoolResized, ReleaseBlocks,
+    BlocksReserved, CancelRequest, DraftOffloaded, FinishReason, PoolResized, ReleaseBlocks,
     RequestAdmitted, RequestsPreempted, SamplingSpec, StepScheduled, StepVerified, TokensCommitted,
 )
 
@@ -45,7 +45,7 @@ class Seq:
 
 class Batcher(Actor):
     name: ClassVar[str] = "batcher"
-    subscribes = (RequestAdmitted, AbortRequest, StepVerified, BlocksReserved, PoolResized, DraftOffloaded)
+    subscribes = (RequestAdmitted, CancelRequest, StepVerified, BlocksReserved, PoolResized, DraftOffloaded)
 
     def __init__(self, num_blocks: int, block_size: int, eos_ids: tuple[int, ...] = (),
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048):
@@ -68,7 +68,7 @@ class Batcher(Actor):
             case RequestAdmitted():
                 self._admit(msg)
                 return self._maybe_schedule()
-            case AbortRequest():
+            case CancelRequest():
                 return self._abort(msg.req_id, msg.reason) + self._maybe_schedule()
             case BlocksReserved():
                 self._mirror_blocks(msg)

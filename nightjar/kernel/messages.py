@@ -58,6 +58,12 @@ class RequestAdmitted(Msg, frozen=True):
     speculate: bool = True
 
 
+class CancelRequest(Msg, frozen=True):
+    """Admission's forward of an abort, ordered after the request's RequestAdmitted."""
+    req_id: int
+    reason: FinishReason = FinishReason.ABORT
+
+
 class RequestRejected(Msg, frozen=True):
     req_id: int
     status: int                     # HTTP-like: 400 bad input, 429 queue full, 503 stopping
@@ -191,7 +197,7 @@ class ActorFailed(Msg, frozen=True):
 
 
 BusMsg = (
-    SubmitRequest | AbortRequest | RequestAdmitted | RequestRejected | StepScheduled | StepPlanned
+    SubmitRequest | AbortRequest | RequestAdmitted | CancelRequest | RequestRejected | StepScheduled | StepPlanned
     | BlocksReserved | StepDrafted | StepVerified | StepTimed | TokensCommitted | RequestsPreempted | ReleaseBlocks
     | OffloadDraft | ReloadDraft | DraftOffloaded | DraftReloaded | PoolResized | DraftResidency
     | EngineStopping | ActorFailed

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from nightjar.actors.batcher import Batcher
 from nightjar.kernel.messages import (
-    AbortRequest, BlocksReserved, FinishReason, ReleaseBlocks, RequestAdmitted, RequestsPreempted, SamplingSpec,
+    BlocksReserved, CancelRequest, FinishReason, ReleaseBlocks, RequestAdmitted, RequestsPreempted, SamplingSpec,
     StepScheduled, StepVerified, TokensCommitted,
 )
 
@@ -109,7 +109,7 @@ def test_abort_of_a_waiting_request_finishes_it_at_once():
     b = Batcher(num_blocks=100, block_size=4)
     admit(b, 1, 4)
     admit(b, 2, 4)
-    out = b.handle(AbortRequest(req_id=2), 0.0)
+    out = b.handle(CancelRequest(req_id=2), 0.0)
     (tc,) = only(out, TokensCommitted)
     assert tc.req_ids == (2,) and tc.finish == (FinishReason.ABORT,) and 2 not in b.seqs
 
@@ -117,7 +117,7 @@ def test_abort_of_a_waiting_request_finishes_it_at_once():
 def test_abort_of_a_row_in_flight_waits_for_the_step_to_finish():
     b = Batcher(num_blocks=100, block_size=4)
     (s1,) = only(admit(b, 1, 4), StepScheduled)
-    assert not b.handle(AbortRequest(req_id=1), 0.0)
+    assert not b.handle(CancelRequest(req_id=1), 0.0)
     out = verify(b, s1, [[5]])
     (tc,) = only(out, TokensCommitted)
     assert tc.finish == (FinishReason.ABORT,) and tc.tokens == () and only(out, ReleaseBlocks)
