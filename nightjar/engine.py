@@ -18,7 +18,7 @@ from nightjar.actors.draft import DraftBuffers, DraftExecutor
 from nightjar.actors.kv import KVPoolActor
 from nightjar.actors.planner import Planner
 from nightjar.actors.verifier import Verifier
-from nightjar.actors.weights import DraftSlot, WeightMover
+from nightjar.actors.weights import DraftSlot, Triggers, WeightMover
 from nightjar.detok import IncrementalText
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.bus import Bus
@@ -162,8 +162,7 @@ class Engine:
         if self._loaded is not None:
             return self._loaded
         target = load_model(c.model, c.dtype, c.device)
-        wants_draft = c.policy != "off" or c.draft not in (None, "none")
-        draft = load_draft(c.draft, target.config, c.dtype, c.device, c.seed) if wants_draft else None
+        draft = load_draft(c.draft, target.config, c.dtype, c.device, c.seed) if c.policy != "off" else None
         return target, draft
 
     def _build(self) -> None:
@@ -188,15 +187,31 @@ class Engine:
         self.batcher = Batcher(self.memory.num_blocks, c.block_size, tc.eos_token_ids, c.max_num_seqs,
                                c.max_num_batched_tokens, min(c.max_model_len, tc.max_position))
         slot = self._draft_slot()
-        self.weights = WeightMover(slot)
         self.planner = Planner(c.policy, c.gamma_max, c.seed, slot is not None)
+        elastic = c.elastic_memory if c.elastic_memory is not None else self.planner.policy.elastic_memory
+        self.weights = WeightMover(slot, self._triggers(), elastic)
         actors = [Admission(tc.vocab_size, min(c.max_model_len, tc.max_position), c.max_queue),
-                  self.batcher, self.planner, KVPoolActor(self.allocator), self.weights,
+                  self.batcher, self.planner, KVPoolActor(self.allocator, self.cache), self.weights,
                   Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed)]
         if slot is not None:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
         return actors
+
+    def _triggers(self) -> Triggers:
+        c, m = self.config, self.memory
+        headroom = 2 * c.max_num_seqs + c.max_num_batched_tokens // c.block_size
+        return Triggers(draft_blocks=m.draft_footprint // m.block_bytes, low_free_frac=c.low_free_frac,
+                        persist_steps=c.persist_steps, headroom_blocks=headroom, offload_on_queue=c.offload_on_queue)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds on its device now (the budget covers their sum)."""
+        draft_w = sum(p.numel() * p.element_size() for p in self.draft.model.parameters()) if self.draft else 0
+        draft_kv = self.weights.slot.cache.nbytes if self.weights.slot else 0
+        out = {"target": self.target.model.weight_bytes(), "draft_weights": draft_w, "draft_kv": draft_kv,
+               "kv_pool": self.cache.nbytes}
+        out["total"] = sum(out.values())
+        return out
 
     def _draft_slot(self) -> DraftSlot | None:
         if self.draft is None:
@@ -211,6 +226,10 @@ class Engine:
             return self
         await asyncio.to_thread(self._build)
         self._open_trace()
+        if self.weights.slot is not None:
+            from nightjar.transfer.weights import DraftTransfer
+
+            self.weights.transfer = DraftTransfer(asyncio.get_running_loop())
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute")
         for a in self.actors + [self.collector]:
             task = asyncio.create_task(a.run(self._executor), name=f"actor:{a.name}")
@@ -261,6 +280,9 @@ class Engine:
             self._error = EngineError("engine is shut down")
             self._fail_all(self._error)
         self._executor.shutdown(wait=True)
+        if self.weights.transfer is not None:
+            self.weights.transfer.shutdown()
+            self.weights.restore_now()
         if self.tracer is not None:
             self.bus.remove_tap(self.tracer.write)
             self.tracer.close()

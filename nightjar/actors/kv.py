@@ -1,37 +1,53 @@
-"""KV pool actor: owns the target's block allocator; reserves slots per step (γ+1 lookahead)."""
+"""KV pool actor: owns the target's block allocator (and the cache's segments); reserves slots per
+step (γ+1 lookahead), grows the pool by a segment and shrinks it by migrating only the tail."""
 from __future__ import annotations
 
+import time
 from typing import ClassVar
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    BlocksReserved, ReleaseBlocks, StepPlanned, StepScheduled, TokensCommitted,
+    BlocksReserved, GrowPool, PoolResized, ReleaseBlocks, ShrinkPool, StepPlanned, StepScheduled, TokensCommitted,
 )
-from nightjar.kvpool.blocks import BlockAllocator
+from nightjar.kvpool.blocks import BlockAllocator, KVPoolError
 
 
 class KVPoolActor(Actor):
     name: ClassVar[str] = "kv"
-    subscribes = (StepScheduled, StepPlanned, TokensCommitted, ReleaseBlocks)
+    subscribes = (StepScheduled, StepPlanned, TokensCommitted, ReleaseBlocks, GrowPool, ShrinkPool)
 
-    def __init__(self, allocator: BlockAllocator):
+    def __init__(self, allocator: BlockAllocator, cache=None):
         super().__init__()
-        self.alloc = allocator
+        self.alloc, self.cache = allocator, cache      # cache is None in control-plane replay
         self.sched: StepScheduled | None = None
+        self.inflight: int | None = None               # step whose slots are reserved and not committed
+        self.pending_shrink = 0
 
     def handle(self, msg, now):
         match msg:
             case StepScheduled():
                 self.sched = msg
             case StepPlanned():
+                self.inflight = msg.step
                 return [self._reserve(msg.gamma)]
             case TokensCommitted():
                 self._commit(msg)
+                if msg.step == self.inflight:
+                    self.inflight = None
+                    return self._shrink_if_pending()
             case ReleaseBlocks():
-                for rid in msg.req_ids:
-                    if self.alloc.has_seq(rid):
-                        self.alloc.free(rid)
+                self._release(msg.req_ids)
+            case GrowPool():
+                return [self._grow(msg.num_blocks)]
+            case ShrinkPool():
+                self.pending_shrink = msg.num_blocks
+                return self._shrink_if_pending() if self.inflight is None else None
         return None
+
+    def _release(self, req_ids) -> None:
+        for rid in req_ids:
+            if self.alloc.has_seq(rid):
+                self.alloc.free(rid)
 
     def _needs(self, gamma: int) -> list[tuple[int, int]]:
         s = self.sched
@@ -64,3 +80,28 @@ class KVPoolActor(Actor):
                 self.alloc.commit(rid, n)
             elif n < cur:
                 self.alloc.rollback(rid, n)
+
+    def _grow(self, n: int) -> PoolResized:
+        """A new segment: no copy of the existing cache."""
+        t0 = time.perf_counter()
+        if self.cache is not None:
+            self.cache.add_segment(n)
+        self.alloc.grow(n)
+        return PoolResized(num_total=self.alloc.num_total, delta=n, duration_s=time.perf_counter() - t0)
+
+    def _shrink_if_pending(self) -> list[PoolResized] | None:
+        """Drop the last segment between steps: migrate its live blocks below the boundary first."""
+        if not self.pending_shrink:
+            return None
+        self.pending_shrink = 0
+        t0 = time.perf_counter()
+        try:
+            pairs = self.alloc.plan_shrink()
+        except KVPoolError:
+            return [PoolResized(num_total=self.alloc.num_total, delta=0)]       # refused: not enough room
+        if self.cache is not None:
+            self.cache.migrate(pairs)
+            self.cache.drop_last_segment()
+        removed = self.alloc.apply_shrink(pairs)
+        return [PoolResized(num_total=self.alloc.num_total, delta=-removed, migrated=len(pairs),
+                            duration_s=time.perf_counter() - t0)]

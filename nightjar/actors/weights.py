@@ -1,8 +1,9 @@
-"""Weight mover: owns where the draft's weights (and its KV cache) live.
+"""Weight mover: owns where the draft's weights (and its KV cache) live, and the elastic-memory
+triggers (with hysteresis) that move them.
 
-Residency states follow the algorithm reference: RESIDENT -> OFFLOADING -> OFFLOADED -> RELOADING -> RESIDENT.
-γ > 0 is allowed only while RESIDENT. Transfers never block the event loop: they run on the
-transfer worker (CPU thread, or a CUDA side stream with pinned buffers) and report back by message.
+States (algorithm reference §3): RESIDENT -> OFFLOADING -> OFFLOADED (pool expanded) -> SHRINKING
+-> RELOADING -> RESIDENT. γ > 0 only while RESIDENT: every change is announced by DraftResidency.
+Transfers run on the transfer worker; their completion comes back as a TransferFinished message.
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from typing import ClassVar
 import torch
 
 from nightjar.kernel.actor import Actor
-from nightjar.kernel.messages import DraftResidency
+from nightjar.kernel.messages import (
+    BlocksReserved, DraftOffloaded, DraftReloaded, DraftResidency, GrowPool, OffloadDraft, PoolResized,
+    ReloadDraft, ShrinkPool, StepScheduled, StepVerified, TransferFinished,
+)
 
 
 @dataclass
@@ -27,17 +31,136 @@ class DraftSlot:
         return self.model.weight_bytes()
 
 
+@dataclass
+class Triggers:
+    """Hysteresis thresholds: τ_low as a fraction of the pool, T_persist steps, block headroom."""
+    draft_blocks: int
+    low_free_frac: float = 0.10
+    persist_steps: int = 3
+    headroom_blocks: int = 0
+    offload_on_queue: bool = False
+
+    def wants_offload(self, gamma: int, free: int, total: int, waiting: int) -> bool:
+        short = free < self.low_free_frac * total or waiting > 0
+        return gamma == 0 and (short if not self.offload_on_queue else (short or waiting > 0))
+
+    def wants_reload(self, free: int, total: int, waiting: int) -> bool:
+        room = self.draft_blocks + self.low_free_frac * (total - self.draft_blocks) + self.headroom_blocks
+        return waiting == 0 and free > room
+
+
 class WeightMover(Actor):
     name: ClassVar[str] = "weights"
-    subscribes = ()
+    subscribes = (StepScheduled, BlocksReserved, StepVerified, TransferFinished, PoolResized,
+                  OffloadDraft, ReloadDraft)
 
-    def __init__(self, slot: DraftSlot | None):
+    def __init__(self, slot: DraftSlot | None, triggers: Triggers | None, elastic: bool, transfer=None):
         super().__init__()
-        self.slot = slot
+        self.slot, self.triggers, self.transfer = slot, triggers, transfer
+        self.elastic = elastic and slot is not None and triggers is not None and triggers.draft_blocks > 0
         self.state = "RESIDENT" if slot is not None else "NONE"
+        self.streak = 0
+        self.waiting = 0
+        self.gamma_inflight = 0
+        self.host = None                 # the draft's host copy while offloaded
+        self.offload_done = False
+        self.num_offloads = self.num_reloads = 0
+        self.reload_forced = False       # a ReloadDraft command retries every step until the pool shrinks
 
     def on_start(self, now):
         return [DraftResidency(resident=self.slot is not None, state=self.state)]
 
     def handle(self, msg, now):
+        match msg:
+            case StepScheduled():
+                self.waiting = msg.num_waiting
+            case BlocksReserved():
+                self.gamma_inflight = msg.gamma
+                return self._evaluate(msg)
+            case StepVerified():
+                self.gamma_inflight = 0
+                return self._finish_offload() if self.offload_done else None
+            case OffloadDraft() if self.state == "RESIDENT":
+                return self._start_offload()
+            case ReloadDraft() if self.state == "OFFLOADED":
+                self.reload_forced = True
+                return self._start_shrink()
+            case TransferFinished():
+                return self._transfer_finished(msg)
+            case PoolResized() if self.state == "SHRINKING" and msg.delta <= 0:
+                return self._shrunk(msg)
         return None
+
+    # ---- triggers ------------------------------------------------------------------------------
+    def _evaluate(self, r: BlocksReserved):
+        if self.reload_forced and self.state == "OFFLOADED":
+            return self._start_shrink()
+        if not self.elastic or self.state not in ("RESIDENT", "OFFLOADED"):
+            return None
+        t = self.triggers
+        if self.state == "RESIDENT":
+            hit = t.wants_offload(r.gamma, r.num_free, r.num_total, self.waiting)
+        else:
+            hit = t.wants_reload(r.num_free, r.num_total, self.waiting)
+        self.streak = self.streak + 1 if hit else 0
+        if self.streak < t.persist_steps:
+            return None
+        self.streak = 0
+        return self._start_offload() if self.state == "RESIDENT" else self._start_shrink()
+
+    # ---- offload: copy out, then (between γ>0 steps) release and grow the pool ------------------
+    def _start_offload(self):
+        self.state, self.offload_done = "OFFLOADING", False
+        if self.transfer is not None:
+            self.transfer.offload(self.slot, self._offload_copied)
+        return [DraftResidency(resident=False, state=self.state)]
+
+    def _offload_copied(self, host, seconds: float) -> None:
+        """Runs on the event loop when the copy to host is done (live engines only)."""
+        self.host = host
+        self.bus.publish("transfer", [TransferFinished(kind="offload", nbytes=host.nbytes, duration_s=seconds)])
+
+    def _transfer_finished(self, msg: TransferFinished):
+        if msg.kind == "offload" and self.state == "OFFLOADING":
+            self.offload_done, self.offload_info = True, msg
+            return self._finish_offload() if self.gamma_inflight == 0 else None
+        if msg.kind == "reload" and self.state == "RELOADING":
+            self.state, self.host = "RESIDENT", None
+            self.num_reloads += 1
+            return [DraftReloaded(bytes_moved=msg.nbytes, duration_s=msg.duration_s),
+                    DraftResidency(resident=True, state=self.state)]
+        return None
+
+    def _finish_offload(self):
+        from nightjar.transfer.weights import release_draft
+
+        if self.slot is not None and self.transfer is not None:
+            release_draft(self.slot)
+        self.state, self.offload_done = "OFFLOADED", False
+        self.num_offloads += 1
+        n, info = self.triggers.draft_blocks, self.offload_info
+        return [DraftOffloaded(bytes_moved=info.nbytes, duration_s=info.duration_s, freed_blocks=n),
+                DraftResidency(resident=False, state=self.state), GrowPool(num_blocks=n)]
+
+    # ---- reload: shrink the pool first, then copy back ----------------------------------------
+    def _start_shrink(self):
+        self.state = "SHRINKING"
+        return [ShrinkPool(num_blocks=self.triggers.draft_blocks), DraftResidency(resident=False, state=self.state)]
+
+    def _shrunk(self, msg: PoolResized):
+        if msg.delta == 0:                 # the pool could not shrink yet: stay expanded
+            self.state = "OFFLOADED"
+            return [DraftResidency(resident=False, state=self.state)]
+        self.state, self.reload_forced = "RELOADING", False
+        if self.transfer is not None:
+            self.transfer.reload(self.slot, self.host, self._reload_copied)
+        return [DraftResidency(resident=False, state=self.state)]
+
+    def restore_now(self) -> None:
+        """At shutdown: put an offloaded draft back (synchronously) so its model object stays usable."""
+        if self.host is not None and self.state in ("OFFLOADED", "SHRINKING", "RELOADING"):
+            self.transfer._reload(self.slot, self.host)
+        self.host, self.state = None, "RESIDENT"
+
+    def _reload_copied(self, nbytes: int, seconds: float) -> None:
+        self.bus.publish("transfer", [TransferFinished(kind="reload", nbytes=nbytes, duration_s=seconds)])

@@ -174,6 +174,23 @@ class DraftReloaded(Msg, frozen=True):
     duration_s: float
 
 
+class GrowPool(Msg, frozen=True):
+    """Command to the KV pool: add a segment of this many blocks (the draft's freed bytes)."""
+    num_blocks: int
+
+
+class ShrinkPool(Msg, frozen=True):
+    """Command to the KV pool: migrate the live blocks of the last segment below it, then drop it."""
+    num_blocks: int
+
+
+class TransferFinished(Msg, frozen=True):
+    """A draft weight move finished (measured on the transfer worker)."""
+    kind: str                        # "offload" | "reload"
+    nbytes: int
+    duration_s: float
+
+
 class PoolResized(Msg, frozen=True):
     num_total: int
     delta: int
@@ -200,5 +217,6 @@ BusMsg = (
     SubmitRequest | AbortRequest | RequestAdmitted | CancelRequest | RequestRejected | StepScheduled | StepPlanned
     | BlocksReserved | StepDrafted | StepVerified | StepTimed | TokensCommitted | RequestsPreempted | ReleaseBlocks
     | OffloadDraft | ReloadDraft | DraftOffloaded | DraftReloaded | PoolResized | DraftResidency
+    | GrowPool | ShrinkPool | TransferFinished
     | EngineStopping | ActorFailed
 )

@@ -98,18 +98,30 @@ class KVCache:
                 v[inside] = seg.data[layer, 1][local]
         return k, v
 
-    def _locate(self, block: int) -> tuple[Segment, int]:
-        for seg in self.segments:
+    def _locate(self, block: int) -> tuple[int, int]:
+        """(segment index, local block id) of a global block id."""
+        for i, seg in enumerate(self.segments):
             if seg.start <= block < seg.start + seg.num_blocks:
-                return seg, block - seg.start
+                return i, block - seg.start
         raise IndexError(f"block {block} is outside the cache ({self.num_blocks} blocks)")
 
     def migrate(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy every (src, dst) block for all layers (the torch path of pool shrink)."""
+        """Copy every (src, dst) block for all layers (the torch path of pool shrink).
+
+        Pairs are grouped by (source segment, destination segment): one gather and one scatter
+        per group, whatever the number of blocks.
+        """
+        groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for src, dst in pairs:
-            s_seg, s = self._locate(src)
-            d_seg, d = self._locate(dst)
-            d_seg.data[:, :, d].copy_(s_seg.data[:, :, s])
+            (si, s), (di, d) = self._locate(src), self._locate(dst)
+            srcs, dsts = groups.setdefault((si, di), ([], []))
+            srcs.append(s)
+            dsts.append(d)
+        for (si, di), (srcs, dsts) in groups.items():
+            src_idx = torch.tensor(srcs, device=self.device)
+            dst_idx = torch.tensor(dsts, device=self.device)
+            moved = self.segments[si].data.index_select(2, src_idx)               # [L, 2, P, bs, nkv, d]
+            self.segments[di].data.index_copy_(2, dst_idx, moved)
 
     def to_host(self) -> list[torch.Tensor]:
         """Copies of the segments' data on the CPU (for draft KV offload)."""

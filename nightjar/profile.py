@@ -1,0 +1,191 @@
+"""``nightjar profile``: measure this machine's step-time profile for ``nightjar simulate --profile``.
+
+  nightjar profile [--model M --draft D --dtype bfloat16 --ctx 256 --out prof.json --quick]
+
+Measures (median of interleaved repetitions, after a warm-up):
+  T_target(B, q)  one target forward of B rows x q tokens at context ``--ctx`` (logits for all q),
+                  B in {1,2,4,8,16,32,64}, q in {1,2,3,5} ({1,2,4,8} x {1,2,3} with --quick)
+  T_draft(B)      one draft forward of B rows x 1 token
+  prefill         target seconds per prompt token (one 128-token chunk)
+  catch-up        draft prefill cost c0 + c1·tokens
+  transfer        host copy of the draft (weights + KV) and back
+  step overhead   the engine's per-step cost beyond the forwards (bus hand-offs, sampling, scheduling),
+                  from a short real engine run (skipped with --no-engine)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from nightjar.actors.common import run_chunks
+from nightjar.kvpool.blocks import BlockAllocator
+from nightjar.kvpool.cache import KVCache
+from nightjar.sim.profile_model import Profile
+
+FULL_B, FULL_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5]
+QUICK_B, QUICK_Q = [1, 2, 4, 8], [1, 2, 3]
+
+
+class _Bench:
+    """A model + its own paged cache big enough for max_b rows of ctx + 16 tokens."""
+
+    def __init__(self, model, block_size: int, max_b: int, ctx: int):
+        c = model.cfg
+        self.model, self.bs, self.ctx = model, block_size, ctx
+        per = -(-(ctx + 160) // block_size)
+        self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, block_size, per * max_b,
+                             model.dtype, model.device)
+        alloc = BlockAllocator(per * max_b, block_size)
+        for r in range(max_b):
+            alloc.reserve(r, per * block_size)
+        self.tables = [alloc.block_table(r) for r in range(max_b)]
+
+    def forward(self, b: int, q: int, start: int | None = None) -> None:
+        start = self.ctx if start is None else start
+        run_chunks(self.model, self.cache, self.bs, [[5] * q] * b, [start] * b, self.tables[:b], [q] * b)
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+@torch.inference_mode()
+def measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool = False, reps: int | None = None,
+            log=print) -> dict:
+    Bs, qs = (QUICK_B, QUICK_Q) if quick else (FULL_B, FULL_Q)
+    reps = reps or (5 if quick else 7)
+    tb = _Bench(target, block_size, max(Bs), ctx)
+    cells = [(i, j) for i in range(len(Bs)) for j in range(len(qs))]
+    samples: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
+    for r in range(reps + 1):                   # interleaved: background noise spreads over all cells
+        for i, j in cells:
+            t0 = time.perf_counter()
+            tb.forward(Bs[i], qs[j])
+            if r:                               # pass 0 warms every shape up
+                samples[(i, j)].append(time.perf_counter() - t0)
+        log(f"  target pass {r}/{reps}")
+    T = [[statistics.median(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
+    pre = _median_time(lambda: tb.forward(1, 128, 0), reps)
+    out = {"B": Bs, "q": qs, "T": T, "ctx": ctx,
+           "prefill_s_per_token": max(pre - T[0][0], 0.0) / 127}
+    if draft is not None:
+        db = _Bench(draft, block_size, max(Bs), ctx)
+        out["draft_B"] = Bs
+        out["draft_T"] = [_median_time(lambda: db.forward(b, 1), reps) for b in Bs]
+        c16 = _median_time(lambda: db.forward(1, 16, 0), reps)
+        c128 = _median_time(lambda: db.forward(1, 128, 0), reps)
+        out["catchup_per_token"] = max(c128 - c16, 0.0) / 112
+        out["catchup_c0"] = max(c16 - 16 * out["catchup_per_token"], 0.0)
+        out.update(_transfer(draft, db.cache, reps))
+    else:
+        out.update(draft_B=[1], draft_T=[0.0], catchup_per_token=0.0, catchup_c0=0.0, offload_s=0.0, reload_s=0.0,
+                   draft_bytes=0)
+    return out
+
+
+def _transfer(draft, cache, reps: int) -> dict:
+    tensors = [p.data for p in draft.parameters()] + [s.data for s in getattr(cache, "segments", [])]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    host = [torch.empty_like(t, device="cpu") for t in tensors]
+
+    def off():
+        for h, t in zip(host, tensors):
+            h.copy_(t)
+
+    def back():
+        for h, t in zip(host, tensors):
+            t.copy_(h)
+    return {"offload_s": _median_time(off, reps), "reload_s": _median_time(back, reps), "draft_bytes": nbytes}
+
+
+def engine_overhead(make_engine, n: int = 8, max_tokens: int = 24) -> float:
+    """Per-step engine cost beyond the recorded forwards: (wall time of decode-heavy run − Σ step_time_s −
+    Σ catch-up) / steps, with policy ``off`` so every step is one target forward."""
+    from nightjar.sampling import SamplingParams
+
+    async def main():
+        async with make_engine() as eng:
+            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            await asyncio.gather(*[_drain(eng.generate([11 + i] * 16, sp)) for i in range(2)])   # warm-up
+            times: list[float] = []
+            eng.collector.taps.append(lambda m, now: times.append(m.step_time_s))
+            t0 = time.perf_counter()
+            await asyncio.gather(*[_drain(eng.generate([20 + i] * 16, sp)) for i in range(n)])
+            wall = time.perf_counter() - t0
+            return (wall - sum(times)) / max(len(times), 1)
+    return max(asyncio.run(main()), 0.0)
+
+
+async def _drain(agen) -> None:
+    async for _ in agen:
+        pass
+
+
+def build_profile(target, draft, *, name: str, block_size: int = 16, ctx: int = 256, quick: bool = False,
+                  num_blocks: int = 2048, draft_blocks: int = 0, overhead_s: float = 0.0, log=print) -> Profile:
+    m = measure(target, draft, block_size=block_size, ctx=ctx, quick=quick, log=log)
+    return Profile(name=name, B=m["B"], q=m["q"], T=m["T"], draft_B=m["draft_B"], draft_T=m["draft_T"],
+                   prefill_s_per_token=m["prefill_s_per_token"], catchup_c0=m["catchup_c0"],
+                   catchup_per_token=m["catchup_per_token"], offload_s=m["offload_s"], reload_s=m["reload_s"],
+                   draft_bytes=m["draft_bytes"], num_blocks=num_blocks, block_size=block_size,
+                   draft_blocks=draft_blocks, step_overhead_s=overhead_s,
+                   meta={"ctx": ctx, "step_overhead_s": overhead_s, "torch": torch.__version__,
+                         "threads": torch.get_num_threads(), "quick": quick, "measured": time.time()})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nightjar profile", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--draft", default="default")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=256, help="context length of the measured decode rows")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV pool size recorded for the simulator")
+    p.add_argument("--quick", action="store_true", help="small grid, 3 repetitions")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine step-overhead run")
+    p.add_argument("--out", default="profile.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    from nightjar.engine import Engine, plan_memory
+    from nightjar.kernel.config import EngineConfig
+    from nightjar.models import load_draft, load_model
+
+    target = load_model(a.model, a.dtype)
+    draft = load_draft(a.draft, target.config, a.dtype) if a.draft not in ("none", "") else None
+    cfg = EngineConfig(model=a.model, draft=a.draft, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks)
+    mem = plan_memory(cfg, target, draft)
+    overhead = 0.0
+    if not a.no_engine:
+        overhead = engine_overhead(lambda: Engine(a.model, a.draft, "off", loaded=(target, draft), dtype=a.dtype,
+                                                  block_size=a.block_size, num_blocks=a.num_blocks))
+        print(f"engine step overhead: {overhead * 1e3:.2f} ms", file=sys.stderr)
+    prof = build_profile(target.model, draft.model if draft else None, name=f"measured:{a.model}:{a.dtype}",
+                         block_size=a.block_size, ctx=a.ctx, quick=a.quick, num_blocks=mem.num_blocks,
+                         draft_blocks=mem.draft_footprint // mem.block_bytes, overhead_s=overhead,
+                         log=lambda s: print(s, file=sys.stderr))
+    with open(a.out, "w") as f:
+        json.dump(prof.to_json(), f, indent=1)
+    print(f"wrote {a.out}: T_target(1,1) {prof.T[0][0] * 1e3:.2f} ms, T_target({prof.B[-1]},{prof.q[-1]}) "
+          f"{prof.T[-1][-1] * 1e3:.2f} ms, T_draft(1) {prof.draft_T[0] * 1e3:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Simulation-specific executors: stand-ins for the GPU side (draft + verifier, transfer worker).
+
+``SimExecutor`` answers each scheduled step after a profiled delay with the same two messages the
+verifier sends (StepVerified, StepTimed); tokens are a synthetic id and each drafting row's accepted
+count is drawn from a per-position acceptance model. ``SimTransfer`` emulates the weight mover's
+transfer worker with profiled offload/reload times. ``SimCollector`` keeps per-request latencies.
+"""
+from __future__ import annotations
+
+import random
+from typing import ClassVar
+
+from nightjar.kernel.messages import (
+    BlocksReserved, StepScheduled, StepTimed, StepVerified, SubmitRequest, TokensCommitted, TransferFinished,
+)
+from nightjar.sim.profile_model import Profile
+
+TOKEN = 5
+DEFAULT_ACCEPTANCE = (0.78, 0.74, 0.71, 0.68, 0.66, 0.64, 0.62, 0.60)
+
+
+def fit_acceptance(steps, gamma_max: int) -> tuple[float, ...]:
+    """Per-position conditional acceptance P(accept i | accepted 0..i-1) from StepTimed messages."""
+    num = [0] * gamma_max
+    den = [0] * gamma_max
+    for s in steps:
+        if not s.gamma or not s.accepted_per_pos or not s.num_drafts:
+            continue
+        prev = s.num_drafts
+        for i, a in enumerate(s.accepted_per_pos[:gamma_max]):
+            num[i] += a
+            den[i] += prev
+            prev = a
+    out, last = [], DEFAULT_ACCEPTANCE[0]
+    for i in range(gamma_max):
+        last = num[i] / den[i] if den[i] >= 20 else (last if i else DEFAULT_ACCEPTANCE[0])
+        out.append(min(max(last, 0.0), 0.999))
+    return tuple(out)
+
+
+class SimExecutor:
+    """Draft + verifier on a virtual clock: wall time from the profile, acceptance from the model."""
+    name: ClassVar[str] = "verifier"
+    subscribes = (StepScheduled, BlocksReserved)
+
+    def __init__(self, profile: Profile, acceptance, max_b: int, gamma_max: int, seed: int = 0):
+        self.p = profile
+        self.acc = tuple(acceptance) + (0.0,) * max(0, gamma_max - len(acceptance))
+        self.T, self.Td = profile.tables(max_b, gamma_max + 1)
+        self.rng = random.Random(seed)
+        self.sched: StepScheduled | None = None
+        self.tokens = (TOKEN,) * (1 << 14)
+        self.busy_s = 0.0
+
+    def on_start(self, now):
+        return None
+
+    def handle(self, msg, now):
+        if type(msg) is StepScheduled:
+            self.sched = msg
+        elif self.sched is not None and msg.step == self.sched.step:
+            dt, out = self._step(self.sched, msg.gamma)
+            self.busy_s += dt
+            self.bus.at(now + dt, self.bus.publish, self.name, out)
+        return None
+
+    def _step(self, s: StepScheduled, g: int):
+        nd, p = s.num_decode, self.p
+        rnd, acc = self.rng.random, self.acc
+        counts, accepted = [], []
+        per_pos = [0] * g
+        n_spec = catch = 0
+        spec = s.speculate
+        for i in range(nd):
+            if g and spec[i]:
+                n_spec += 1
+                a = 0
+                while a < g and rnd() < acc[a]:
+                    per_pos[a] += 1
+                    a += 1
+                lag = s.starts[i] - s.draft_computed[i]
+                if lag >= 2:
+                    catch += lag
+                counts.append(a + 1)
+                accepted.append(a)
+            else:
+                counts.append(1)
+                accepted.append(0)
+        emitted = sum(counts)
+        n_pre = 0
+        for j, done in enumerate(s.prefill_done):
+            n_pre += len(s.chunk_ids[nd + j])
+            counts.append(1 if done else 0)
+            accepted.append(0)
+        ctx = sum(s.starts) if p.kv_s_per_ctx_token else 0
+        q = g + 1 if n_spec else 1
+        T = self.T
+        if n_spec == nd:
+            verify = T[nd][q]
+        else:                               # one forward: the non-drafting rows feed 1 token each
+            verify = T[nd][1] + T[n_spec][q] - T[n_spec][1]
+        verify += p.kv_s_per_ctx_token * ctx + p.prefill_s_per_token * n_pre
+        if nd == 0 and n_pre:
+            verify += self.T[1][1]          # a prefill-only step still pays one forward's fixed cost
+        draft = g * self.Td[n_spec] if n_spec else 0.0
+        catch_s = p.catchup_s(catch) if n_spec else 0.0
+        total = sum(counts)
+        verified = StepVerified(step=s.step, gamma=g, req_ids=s.req_ids, counts=tuple(counts),
+                                tokens=self.tokens[:total], accepted=tuple(accepted), num_decode=nd)
+        timed = StepTimed(step=s.step, batch_size=nd, gamma=g, step_time_s=verify + draft, tokens_emitted=emitted,
+                          max_draft_lag=s.max_draft_lag, catchup_time_s=catch_s, catchup_tokens=catch if n_spec else 0,
+                          accepted_per_pos=tuple(per_pos), num_drafts=n_spec if g else 0, num_prefill_tokens=n_pre)
+        return verify + draft + catch_s + p.step_overhead_s, (verified, timed)
+
+
+class _HostStub:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+class SimTransfer:
+    """The weight mover's transfer worker on the virtual clock: completion after the profiled time."""
+
+    def __init__(self, bus, profile: Profile) -> None:
+        self.bus, self.p = bus, profile
+
+    def offload(self, slot, done) -> None:
+        t = self.bus.clock.t + self.p.offload_s
+        self.bus.at(t, done, _HostStub(self.p.draft_bytes), self.p.offload_s)
+
+    def reload(self, slot, host, done) -> None:
+        t = self.bus.clock.t + self.p.reload_s
+        self.bus.at(t, done, self.p.draft_bytes, self.p.reload_s)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SimCollector:
+    """Arrival, first-token and finish times per request; output tokens; γ per decode step."""
+    name: ClassVar[str] = "collector"
+    subscribes = (SubmitRequest, TokensCommitted, StepTimed, TransferFinished)
+
+    def __init__(self) -> None:
+        self.arrival: dict[int, float] = {}
+        self.first: dict[int, float] = {}
+        self.done: dict[int, float] = {}
+        self.out_tokens = 0
+        self.steps = self.gamma_sum = self.batch_sum = 0
+        self.drafted = self.accepted = 0
+        self.transfers = 0
+        self.t_last = 0.0
+
+    def on_start(self, now):
+        return None
+
+    def handle(self, msg, now):
+        t = type(msg)
+        if t is TokensCommitted:
+            first = self.first
+            for rid, n, fin in zip(msg.req_ids, msg.counts, msg.finish):
+                if n and rid not in first:
+                    first[rid] = now
+                if fin:
+                    self.done[rid] = now
+            self.out_tokens += len(msg.tokens)
+            self.t_last = now
+        elif t is StepTimed:
+            if msg.batch_size:
+                self.steps += 1
+                self.gamma_sum += msg.gamma
+                self.batch_sum += msg.batch_size
+                self.drafted += msg.num_drafts * msg.gamma
+                self.accepted += sum(msg.accepted_per_pos)
+        elif t is SubmitRequest:
+            self.arrival[msg.req_id] = now
+        elif t is TransferFinished:
+            self.transfers += 1
+        return None

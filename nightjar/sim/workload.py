@@ -1,0 +1,100 @@
+"""Simulated workloads: arrival times (Poisson, gamma-bursty, phased, the paper's stress shapes) and
+per-request prompt / output lengths, all from one numpy seed so every policy sees the same requests.
+
+Gaps follow ``nightjar bench`` semantics: Gamma(shape=b, scale=1/(R·b)), mean 1/R, b = 1 is Poisson.
+Phased traces use the bench JSON format ``{"phases": [{"duration_s": 30, "rate": 1.0, "burstiness": 1.0}]}``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+# The paper's stress traces (authors' generate_nightjar_traces.py shapes); phase length in seconds.
+STRESS = {
+    "spike": [2, 8, 24, 40, 6],
+    "oscillation": [4, 28] * 3,
+    "worst": [6, 36, 36, 3, 30],
+}
+STRESS_ALIASES = {"burst": "spike", "burst-spike": "spike", "osc": "oscillation", "worst-case": "worst"}
+
+
+@dataclass(frozen=True)
+class Phase:
+    duration_s: float
+    rate: float
+    burstiness: float = 1.0
+
+
+@dataclass
+class Workload:
+    name: str
+    times: np.ndarray             # arrival times (s), ascending
+    prompt_lens: np.ndarray
+    output_lens: np.ndarray
+    phases: list[Phase] | None = None
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+
+def phase_times(phases: list[Phase], rng: np.random.Generator) -> np.ndarray:
+    out, start = [], 0.0
+    for ph in phases:
+        if ph.rate > 0:
+            n = int(ph.rate * ph.duration_s * 1.5) + 32
+            t = start + np.cumsum(rng.gamma(ph.burstiness, 1.0 / (ph.rate * ph.burstiness), size=n))
+            while t[-1] < start + ph.duration_s:        # rare: draw more
+                t = np.concatenate([t, t[-1] + np.cumsum(rng.gamma(ph.burstiness, 1.0 / (ph.rate * ph.burstiness),
+                                                                    size=n))])
+            out.append(t[t < start + ph.duration_s])
+        start += ph.duration_s
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def parse_phases(obj) -> list[Phase]:
+    raw = obj["phases"] if isinstance(obj, dict) else obj
+    return [Phase(float(p["duration_s"]), float(p["rate"]), float(p.get("burstiness", 1.0))) for p in raw]
+
+
+def lengths(rng: np.random.Generator, n: int, mean: float, lo: int, hi: int, sigma: float = 0.6) -> np.ndarray:
+    """Log-normal lengths with the given mean, clipped to [lo, hi]."""
+    if sigma <= 0:
+        return np.full(n, int(mean), dtype=np.int64)
+    mu = np.log(mean) - sigma * sigma / 2
+    return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), lo, hi).astype(np.int64)
+
+
+def make_workload(spec: str, *, seed: int = 0, num_requests: int | None = None, duration_s: float | None = None,
+                  phase_s: float = 30.0, prompt_mean: float = 128, output_mean: float = 128, sigma: float = 0.6,
+                  max_len: int = 2048) -> Workload:
+    """``poisson:RATE``, ``gamma:RATE:BURSTINESS``, a stress name (spike, oscillation, worst), or a JSON
+    phases file. Poisson/gamma run for ``num_requests`` (default 1000) unless ``duration_s`` is given;
+    phased workloads are cut at ``num_requests`` if given."""
+    rng = np.random.default_rng(seed)
+    head, _, rest = spec.partition(":")
+    phases = None
+    key = STRESS_ALIASES.get(spec, spec)
+    if head in ("poisson", "gamma"):
+        parts = rest.split(":")
+        rate = float(parts[0])
+        b = float(parts[1]) if head == "gamma" and len(parts) > 1 else 1.0
+        if duration_s is not None:
+            times = phase_times([Phase(duration_s, rate, b)], rng)
+        else:
+            n = num_requests or 1000
+            times = np.concatenate([[0.0], np.cumsum(rng.gamma(b, 1.0 / (rate * b), size=n - 1))])
+    elif key in STRESS:
+        phases = [Phase(phase_s, float(r)) for r in STRESS[key]]
+        times = phase_times(phases, rng)
+    else:
+        with open(spec) as f:
+            phases = parse_phases(json.load(f))
+        times = phase_times(phases, rng)
+    if num_requests is not None:
+        times = times[:num_requests]
+    n = len(times)
+    prompt = lengths(rng, n, prompt_mean, 4, max_len // 2, sigma)
+    out = np.minimum(lengths(rng, n, output_mean, 1, max_len // 2, sigma), max_len - 1 - prompt)
+    return Workload(spec, times, prompt, out, phases)

@@ -1,0 +1,86 @@
+"""Asynchronous draft weight (and draft KV) moves between device and host memory.
+
+On CUDA: a side stream, one pinned host buffer allocated once per offload, and an event that a
+waiter thread synchronises on. On CPU: a worker thread and a host store. Either way the caller's
+event loop is told by ``loop.call_soon_threadsafe(done, result)``; nothing here blocks it.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nightjar.triton_kernels.weight_pack import pack_tensors, unpack_tensors
+
+
+@dataclass
+class HostCopy:
+    """The draft while it lives in host memory: packed weights and the draft KV segments."""
+    buffer: torch.Tensor
+    layout: tuple
+    kv: list[torch.Tensor]
+    nbytes: int
+
+
+def unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(model.parameters())          # parameters() already skips tied duplicates
+
+
+class DraftTransfer:
+    def __init__(self, loop) -> None:
+        self.loop = loop
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="nightjar-transfer")
+        self.cuda = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if self.cuda else None
+
+    def offload(self, slot, done: Callable[[HostCopy, float], None]) -> None:
+        """Copy the draft's weights and KV to host; ``done(host, seconds)`` runs on the loop."""
+        self.pool.submit(self._run, self._offload, slot, done)
+
+    def reload(self, slot, host: HostCopy, done: Callable[[int, float], None]) -> None:
+        self.pool.submit(self._run, self._reload, slot, host, done)
+
+    def _run(self, fn, *args) -> None:
+        t0 = time.perf_counter()
+        result, done = fn(*args[:-1]), args[-1]
+        self.loop.call_soon_threadsafe(done, result, time.perf_counter() - t0)
+
+    def _offload(self, slot) -> HostCopy:
+        params = unique_params(slot.model)
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                buf, layout = pack_tensors([p.data for p in params])
+                kv = [seg.data.to("cpu", non_blocking=True) for seg in slot.cache.segments]
+                torch.cuda.current_stream().synchronize()
+        else:
+            buf, layout = pack_tensors([p.data for p in params])
+            kv = slot.cache.to_host()
+        return HostCopy(buf, layout, kv, buf.numel() + sum(t.numel() * t.element_size() for t in kv))
+
+    def _reload(self, slot, host: HostCopy) -> int:
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                tensors = unpack_tensors(host.buffer, host.layout, slot.device)
+                slot.cache.restore(host.kv)
+                torch.cuda.current_stream().synchronize()
+        else:
+            tensors = unpack_tensors(host.buffer, host.layout, slot.device)
+            slot.cache.restore(host.kv)
+        for p, t in zip(unique_params(slot.model), tensors):
+            p.data = t
+        return host.nbytes
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def release_draft(slot) -> int:
+    """Drop the draft's device tensors (weights and KV); returns the bytes released."""
+    freed = 0
+    for p in unique_params(slot.model):
+        freed += p.data.numel() * p.data.element_size()
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return freed + slot.cache.release()
