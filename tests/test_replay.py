@@ -128,3 +128,15 @@ def test_a_damaged_file_exits_2(tmp_path, capsys):
     path.write_bytes(bytes(data))
     assert replay_main([str(path)]) == 2
     assert "CRC" in capsys.readouterr().err
+
+
+def test_trace_summary_prints_a_phase_table_and_draws_a_timeline(tmp_path, capsys):
+    from nightjar.trace_tools import main as trace_main
+
+    golden = GOLDEN[0] if GOLDEN else None
+    if golden is None:
+        pytest.skip("no golden trace")
+    png = tmp_path / "t.png"
+    assert trace_main(["summary", str(golden), "--phases", "4", "--png", str(png), "--allow-schema-drift"]) == 0
+    out = capsys.readouterr().out
+    assert "mean B" in out and len(out.splitlines()) >= 7 and png.stat().st_size > 1000

@@ -58,8 +58,8 @@ def make_corpus(target, prompts, samples: int, seed: int) -> list[dict]:
     from nightjar.sampling import SamplingParams
 
     async def main():
-        params = [SamplingParams(max_tokens=160)]
-        params += [SamplingParams(max_tokens=160, temperature=0.7, top_p=0.95, seed=seed + i) for i in range(samples)]
+        params = [SamplingParams(max_tokens=128)]
+        params += [SamplingParams(max_tokens=128, temperature=0.7, top_p=0.95, seed=seed + i) for i in range(samples)]
         async with Engine(policy="off", draft=None, loaded=(target, None), max_num_seqs=48,
                           max_num_batched_tokens=1024, max_queue=100000) as eng:
             return await _answers(eng, prompts, params)

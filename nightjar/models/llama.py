@@ -15,20 +15,32 @@ from torch import nn
 from nightjar.models.config import ModelConfig
 
 
+SHORT_QUERY = 16          # rows with at most this many query tokens share one attention group
+
+
+@dataclass
+class AttnGroup:
+    """Rows attended together, padded to the group's longest query Q and context K.
+
+    Decode and verify rows (Q <= SHORT_QUERY) never pad up to a long prefill chunk.
+    """
+
+    token_index: torch.Tensor    # [t] int64 into T: the group's query tokens, in flat order
+    q_index: torch.Tensor        # [b, Q] int64 into T, padding points at T (a zero row)
+    flat_index: torch.Tensor     # [t] int64 into b*Q: where each of the group's tokens sits
+    attn_mask: torch.Tensor      # [b, 1, Q, K] bool, True = attend
+    block_tables: torch.Tensor   # [b, nb] int64
+
+
 @dataclass
 class BatchLayout:
-    """Host-built description of one varlen batch (tensors live on the model's device).
-
-    T = total query tokens, B = sequences, Q = longest query chunk, K = longest context (tokens).
-    """
+    """Host-built description of one varlen batch (tensors live on the model's device). T = query tokens."""
 
     input_ids: torch.Tensor      # [T] int64
     positions: torch.Tensor      # [T] int64, absolute position of each query token
     slot_mapping: torch.Tensor   # [T] int64, cache slot (block * block_size + offset) to write
     block_tables: torch.Tensor   # [B, nb] int64, padded with 0
-    q_index: torch.Tensor        # [B, Q] int64 into T, padding points at T (a zero row)
-    flat_index: torch.Tensor     # [T] int64 into B*Q: where each query token sits in the padded view
-    attn_mask: torch.Tensor      # [B, 1, Q, K] bool, True = attend
+    groups: list[AttnGroup]
     logits_index: torch.Tensor   # [N] int64 into T: rows whose logits are returned
 
     @property
@@ -46,34 +58,50 @@ def build_layout(
     γ+1 for verify, 0 for a prefill chunk that is not the last one).
     """
     qlens = [len(c) for c in chunks]
-    ctx = [s + q for s, q in zip(starts, qlens)]
-    B, Q, K = len(chunks), max(qlens), max(ctx)
-    nb = max(1, -(-K // block_size))
-    ids, pos, slots, flat, logit_rows = [], [], [], [], []
-    q_index = torch.full((B, Q), sum(qlens), dtype=torch.int64)
-    table = torch.zeros((B, nb), dtype=torch.int64)
-    t = 0
+    offsets = [0]
+    for q in qlens:
+        offsets.append(offsets[-1] + q)
+    ids, pos, slots, logit_rows = [], [], [], []
     for b, (chunk, s) in enumerate(zip(chunks, starts)):
         bt = block_tables[b]
-        table[b, : min(nb, len(bt))] = torch.tensor(bt[:nb], dtype=torch.int64)
-        for i, tok in enumerate(chunk):
-            p = s + i
-            ids.append(tok)
-            pos.append(p)
-            slots.append(bt[p // block_size] * block_size + p % block_size)
-            flat.append(b * Q + i)
-        q_index[b, : len(chunk)] = torch.arange(t, t + len(chunk))
-        logit_rows.extend(range(t + len(chunk) - logits_rows[b], t + len(chunk)))
-        t += len(chunk)
-    qpos = torch.arange(Q).view(1, Q, 1) + torch.tensor(starts).view(B, 1, 1)      # [B, Q, 1]
-    kpos = torch.arange(K).view(1, 1, K)                                              # [1, 1, K]
-    mask = (kpos <= qpos) & (kpos < torch.tensor(ctx).view(B, 1, 1))                  # [B, Q, K]
+        ids.extend(chunk)
+        pos.extend(range(s, s + len(chunk)))
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(s, s + len(chunk)))
+        logit_rows.extend(range(offsets[b + 1] - logits_rows[b], offsets[b + 1]))
+    table = _tables(block_tables, [s + q for s, q in zip(starts, qlens)], block_size)     # [B, nb]
+    short = [b for b, q in enumerate(qlens) if q <= SHORT_QUERY]
+    long = [b for b, q in enumerate(qlens) if q > SHORT_QUERY]
+    groups = [_group(rows, qlens, starts, offsets, table, device) for rows in (short, long) if rows]
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-    return BatchLayout(
-        input_ids=as_t(ids), positions=as_t(pos), slot_mapping=as_t(slots),
-        block_tables=table.to(device), q_index=q_index.to(device), flat_index=as_t(flat),
-        attn_mask=mask.unsqueeze(1).to(device), logits_index=as_t(logit_rows),
-    )
+    return BatchLayout(input_ids=as_t(ids), positions=as_t(pos), slot_mapping=as_t(slots),
+                       block_tables=table.to(device), groups=groups, logits_index=as_t(logit_rows))
+
+
+def _tables(block_tables: list[tuple[int, ...]], ctx: list[int], block_size: int) -> torch.Tensor:
+    nb = max(1, -(-max(ctx) // block_size))
+    table = torch.zeros((len(block_tables), nb), dtype=torch.int64)
+    for b, bt in enumerate(block_tables):
+        n = min(nb, len(bt), -(-ctx[b] // block_size))
+        table[b, :n] = torch.tensor(bt[:n], dtype=torch.int64)
+    return table
+
+
+def _group(rows: list[int], qlens, starts, offsets, table, device) -> AttnGroup:
+    Q = max(qlens[b] for b in rows)
+    ctx = [starts[b] + qlens[b] for b in rows]
+    K = max(ctx)
+    q_index = torch.full((len(rows), Q), offsets[-1], dtype=torch.int64)
+    tok, flat = [], []
+    for i, b in enumerate(rows):
+        q_index[i, : qlens[b]] = torch.arange(offsets[b], offsets[b + 1])
+        tok.extend(range(offsets[b], offsets[b + 1]))
+        flat.extend(range(i * Q, i * Q + qlens[b]))
+    qpos = torch.arange(Q).view(1, Q, 1) + torch.tensor([starts[b] for b in rows]).view(-1, 1, 1)   # [b, Q, 1]
+    kpos = torch.arange(K).view(1, 1, K)                                                          # [1, 1, K]
+    mask = (kpos <= qpos) & (kpos < torch.tensor(ctx).view(-1, 1, 1))                             # [b, Q, K]
+    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    return AttnGroup(token_index=as_t(tok), q_index=q_index.to(device), flat_index=as_t(flat),
+                     attn_mask=mask.unsqueeze(1).to(device), block_tables=table[rows].to(device))
 
 
 class RMSNorm(nn.Module):
@@ -150,21 +178,31 @@ def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale:
     Grouped-query matmuls instead of SDPA: on CPU, SDPA's flash kernel costs ~5 ms per layer at
     B=32, Q=1, K=256 where these two bmm cost ~0.5 ms (measured, bf16, 2 cores).
     """
-    B, Q = lay.q_index.shape
-    K = lay.attn_mask.shape[-1]
+    if len(lay.groups) == 1:
+        return _attend(q, cache, layer, lay.groups[0], scale)
+    out = torch.empty_like(q)
+    for g in lay.groups:
+        out[g.token_index] = _attend(q, cache, layer, g, scale)
+    return out
+
+
+def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> torch.Tensor:
+    """One group's attention -> [t, nh, d] for the group's tokens in flat order."""
+    B, Q = g.q_index.shape
+    K = g.attn_mask.shape[-1]
     T, nh, d = q.shape
-    kc, vc = cache.gather(layer, lay.block_tables)                # [B, nb*bs, nkv, d]
+    kc, vc = cache.gather(layer, g.block_tables[:, : -(-K // cache.block_size)])   # [B, nb*bs, nkv, d]
     nkv = kc.shape[2]
-    g = nh // nkv
-    qp = torch.cat((q, q.new_zeros(1, nh, d)))[lay.q_index]       # [B, Q, nh, d]
-    qg = qp.view(B, Q, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, Q * g, d)
+    gq = nh // nkv
+    qp = torch.cat((q, q.new_zeros(1, nh, d)))[g.q_index]         # [B, Q, nh, d]
+    qg = qp.view(B, Q, nkv, gq, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, Q * gq, d)
     kt = kc[:, :K].permute(0, 2, 3, 1)                            # [B, nkv, d, K]
     scores = torch.matmul(qg, kt).float() * scale                 # [B, nkv, Q*g, K]
-    mask = lay.attn_mask.expand(B, 1, Q, K).unsqueeze(3).expand(B, 1, Q, g, K).reshape(B, 1, Q * g, K)
+    mask = g.attn_mask.unsqueeze(3).expand(B, 1, Q, gq, K).reshape(B, 1, Q * gq, K)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
     out = torch.matmul(probs, vc[:, :K].transpose(1, 2))          # [B, nkv, Q*g, d]
-    out = out.view(B, nkv, Q, g, d).permute(0, 2, 1, 3, 4).reshape(B * Q, nh, d)
-    return out[lay.flat_index]
+    out = out.view(B, nkv, Q, gq, d).permute(0, 2, 1, 3, 4).reshape(B * Q, nh, d)
+    return out[g.flat_index]
 
 
 class MLP(nn.Module):

@@ -19,6 +19,17 @@ def transform_logits(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tens
     V = logits.shape[-1]
     greedy = temp <= 0                                                     # [...]
     x = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
+    if bool(((top_k <= 0) | (top_k >= V)).all()) and bool((top_p >= 1).all()):
+        probs = x.softmax(-1)                       # no truncation: skip the full-vocabulary sort
+    else:
+        probs = _truncated_probs(x, top_k, top_p)
+    onehot = torch.nn.functional.one_hot(logits.argmax(-1), V).to(probs.dtype)
+    return torch.where(greedy.unsqueeze(-1), onehot, probs)
+
+
+def _truncated_probs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Softmax over the top-k, then the smallest prefix holding top_p of the mass. x [..., V]."""
+    V = x.shape[-1]
     k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V))
     sorted_x, order = x.sort(dim=-1, descending=True)                      # [..., V]
     ranks = torch.arange(V, device=x.device)
@@ -27,9 +38,7 @@ def transform_logits(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tens
     cum = probs_sorted.cumsum(-1) - probs_sorted                           # mass before each token
     drop = drop | (cum > top_p.unsqueeze(-1))                              # top-p (keeps >= 1 token)
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    probs = torch.empty_like(x).scatter_(-1, order, sorted_x.softmax(-1))
-    onehot = torch.nn.functional.one_hot(logits.argmax(-1), V).to(probs.dtype)
-    return torch.where(greedy.unsqueeze(-1), onehot, probs)
+    return torch.empty_like(x).scatter_(-1, order, sorted_x.softmax(-1))
 
 
 def sample_from(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:

@@ -1,0 +1,61 @@
+"""Per-step bus + actor overhead against step time, at B=1 and B=32.
+
+    python bench/bus_overhead.py [--model smollm2-135m] [--policy off] [--tokens 64]
+
+Overhead per step = wall time between consecutive StepScheduled envelopes minus the model time the
+verifier measured (StepTimed.step_time_s + catch-up). It covers every hand-off of the step
+(batcher -> planner -> KV -> draft -> verifier -> batcher), the compute-thread hops and Python glue.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+
+from nightjar.engine import Engine
+from nightjar.kernel.messages import StepScheduled, StepTimed
+from nightjar.sampling import SamplingParams
+
+
+async def measure(kw: dict, batch: int, tokens: int) -> tuple[float, float]:
+    async with Engine(**kw) as eng:
+        sched, timed = {}, {}
+
+        def tap(env):
+            if isinstance(env.msg, StepScheduled):
+                sched[env.msg.step] = env.t
+            elif isinstance(env.msg, StepTimed):
+                timed[env.msg.step] = env.msg.step_time_s + env.msg.catchup_time_s
+        prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+        await _drain(eng, prompt, batch, 4)               # warm-up
+        eng.bus.add_tap(tap)
+        await _drain(eng, prompt, batch, tokens)
+        steps = sorted(s for s in sched if s + 1 in sched and s in timed)[5:]
+        over = [sched[s + 1] - sched[s] - timed[s] for s in steps]
+        total = [sched[s + 1] - sched[s] for s in steps]
+        return statistics.median(over), statistics.median(total)
+
+
+async def _drain(eng, prompt, batch, tokens):
+    async def one():
+        async for _ in eng.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)):
+            pass
+    await asyncio.gather(*[one() for _ in range(batch)])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--policy", default="off")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokens", type=int, default=64)
+    a = ap.parse_args(argv)
+    kw = dict(model=a.model, policy=a.policy, dtype=a.dtype)
+    print("| B | overhead/step (µs) | step (ms) | overhead % |\n|---|---|---|---|")
+    for B in (1, 32):
+        over, total = asyncio.run(measure(kw, B, a.tokens))
+        print(f"| {B} | {over * 1e6:.0f} | {total * 1e3:.1f} | {100 * over / total:.2f} % |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
