@@ -190,7 +190,8 @@ class Engine:
         self.planner = Planner(c.policy, c.gamma_max, c.seed, slot is not None)
         elastic = c.elastic_memory if c.elastic_memory is not None else self.planner.policy.elastic_memory
         self.weights = WeightMover(slot, self._triggers(), elastic)
-        actors = [Admission(tc.vocab_size, min(c.max_model_len, tc.max_position), c.max_queue),
+        actors = [Admission(tc.vocab_size, min(c.max_model_len, tc.max_position), c.max_queue,
+                            self.memory.num_blocks * c.block_size),
                   self.batcher, self.planner, KVPoolActor(self.allocator, self.cache), self.weights,
                   Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed)]
         if slot is not None:

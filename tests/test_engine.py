@@ -231,3 +231,18 @@ def test_seeded_sampling_is_reproducible(make_engine, smol_tokenizer):
             b = [t for o in [x async for x in eng.generate(ids, sp)] for t in o.token_ids]
             assert a == b
     asyncio.run(main())
+
+
+def test_a_request_larger_than_the_pool_ends_with_length_instead_of_hanging(make_engine, smol_tokenizer):
+    from nightjar.sampling import RequestError
+
+    async def main():
+        async with make_engine("fixed:2", num_blocks=4, block_size=8) as eng:
+            with pytest.raises(RequestError, match="KV pool"):
+                async for _ in eng.generate([5] * 40, SamplingParams(max_tokens=4)):
+                    pass
+            outs = [o async for o in eng.generate([5] * 20, SamplingParams(max_tokens=100, ignore_eos=True))]
+            assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens < 100
+            await asyncio.sleep(0.05)
+            assert_pool_clean(eng)
+    asyncio.run(main())

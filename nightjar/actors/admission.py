@@ -9,10 +9,13 @@ from nightjar.kernel.messages import (
 )
 
 
-def validate(prompt_ids: tuple[int, ...], sp: SamplingSpec, vocab_size: int, max_model_len: int) -> str | None:
+def validate(prompt_ids: tuple[int, ...], sp: SamplingSpec, vocab_size: int, max_model_len: int,
+             pool_tokens: int | None = None) -> str | None:
     """The reason a request cannot run, or None."""
     if not prompt_ids:
         return "prompt is empty"
+    if pool_tokens is not None and len(prompt_ids) >= pool_tokens:
+        return f"prompt has {len(prompt_ids)} tokens; the KV pool holds {pool_tokens}"
     if len(prompt_ids) >= max_model_len:
         return f"prompt has {len(prompt_ids)} tokens; the context is {max_model_len} (prompt must leave room for 1 token)"
     if any(t < 0 or t >= vocab_size for t in prompt_ids):
@@ -37,9 +40,10 @@ class Admission(Actor):
     name: ClassVar[str] = "admission"
     subscribes = (SubmitRequest, TokensCommitted, AbortRequest)
 
-    def __init__(self, vocab_size: int, max_model_len: int, max_queue: int):
+    def __init__(self, vocab_size: int, max_model_len: int, max_queue: int, pool_tokens: int | None = None):
         super().__init__()
         self.vocab_size, self.max_model_len, self.max_queue = vocab_size, max_model_len, max_queue
+        self.pool_tokens = pool_tokens
         self.in_flight: set[int] = set()
 
     def handle(self, msg, now):
@@ -53,7 +57,7 @@ class Admission(Actor):
         return None
 
     def _submit(self, msg: SubmitRequest):
-        why = validate(msg.prompt_ids, msg.sampling, self.vocab_size, self.max_model_len)
+        why = validate(msg.prompt_ids, msg.sampling, self.vocab_size, self.max_model_len, self.pool_tokens)
         if why:
             return RequestRejected(req_id=msg.req_id, status=400, message=why)
         if len(self.in_flight) >= self.max_queue:

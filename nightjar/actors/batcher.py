@@ -175,16 +175,25 @@ class Batcher(Actor):
     def _maybe_schedule(self) -> list:
         if self.inflight is not None or not (self.running or self.waiting):
             return []
+        out = self._finish_stranded()
         preempted = self._ensure_decode_fits()
         decode = [rid for rid in self.running if self.seqs[rid].in_decode]
         prefill = self._pick_prefill(len(decode))
-        out = []
         if preempted:
             out += [RequestsPreempted(req_ids=preempted), ReleaseBlocks(req_ids=preempted)]
         if decode or prefill:
             self.inflight = self._build_step(decode, prefill)
             out.append(self.inflight)
         return out
+
+    def _finish_stranded(self) -> list:
+        """A lone running request that needs a block the whole pool cannot give ends with 'length'."""
+        if len(self.running) != 1:
+            return []
+        seq = self.seqs[self.running[0]]
+        if not seq.in_decode or self._blocks_for(seq, seq.num_computed + 1) <= self.num_free:
+            return []
+        return self._finish_now(seq, FinishReason.LENGTH)
 
     def _blocks_for(self, seq: Seq, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - seq.num_blocks)
