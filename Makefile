@@ -27,5 +27,9 @@ serve: $(STAMP)
 	$(PY) -m nightjar models pull
 	$(PY) -m nightjar serve
 
+bench: $(STAMP)
+	$(PY) -m nightjar models pull
+	$(PY) -m nightjar bench serve --launch --policy nightjar --trace spike --output-json bench.json --plot bench.png
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -95,13 +95,6 @@ def cmd_models(a: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str):
-    def run(a: argparse.Namespace) -> int:
-        mod = importlib.import_module(module)
-        return mod.main(a.rest) or 0
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nightjar", description="Nightjar: LLM serving with adaptive speculative "
                                 "decoding and elastic draft memory.")
@@ -130,22 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("names", nargs="*")
     m.add_argument("--quiet", action="store_true")
     m.set_defaults(func=cmd_models)
-    for name, module, text in [
-        ("distill", "nightjar.models.distill", "train the default draft by distillation"),
-        ("bench", "nightjar.bench.cli", "benchmarks: serve, compare"),
-        ("replay", "nightjar.replay", "replay a recorded trace"),
-        ("trace", "nightjar.trace_tools", "inspect a trace: summary"),
-        ("simulate", "nightjar.simulate", "what-if simulation on the same actors"),
-        ("profile", "nightjar.profile", "measure step-time profile of this machine"),
+    for name, text in [
+        ("distill", "train the default draft by distillation"), ("bench", "benchmarks: serve, compare"),
+        ("replay", "replay a recorded trace"), ("trace", "inspect a trace: summary"),
+        ("simulate", "what-if simulation on the same actors"), ("profile", "measure this machine's step times"),
     ]:
-        d = sub.add_parser(name, help=text, add_help=False)
-        d.add_argument("rest", nargs=argparse.REMAINDER)
-        d.set_defaults(func=_delegate(module))
+        sub.add_parser(name, help=f"{text} (see `nightjar {name} --help`)", add_help=False)
     return p
+
+
+DELEGATED = {"distill": "nightjar.models.distill", "bench": "nightjar.bench.cli", "replay": "nightjar.replay",
+             "trace": "nightjar.trace_tools", "simulate": "nightjar.simulate", "profile": "nightjar.profile"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:          # these parse their own flags (argparse would eat "--x")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return importlib.import_module(DELEGATED[argv[0]]).main(argv[1:]) or 0
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

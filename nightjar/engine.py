@@ -12,13 +12,9 @@ from typing import Any, AsyncIterator, ClassVar
 import msgspec
 import torch
 
-from nightjar.actors.admission import Admission
-from nightjar.actors.batcher import Batcher
 from nightjar.actors.draft import DraftBuffers, DraftExecutor
-from nightjar.actors.kv import KVPoolActor
-from nightjar.actors.planner import Planner
 from nightjar.actors.verifier import Verifier
-from nightjar.actors.weights import DraftSlot, Triggers, WeightMover
+from nightjar.actors.weights import DraftSlot
 from nightjar.detok import IncrementalText
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.bus import Bus
@@ -172,7 +168,6 @@ class Engine:
         self.memory = plan_memory(c, self.target, self.draft)
         tc = self.target.config
         dev, dtype = self.target.model.device, self.target.model.dtype
-        self.allocator = BlockAllocator(self.memory.num_blocks, c.block_size)
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks, dtype, dev)
         self.clock = MonotonicClock()
         self.bus = Bus(self.clock)
@@ -182,28 +177,25 @@ class Engine:
             a.attach(self.bus)
 
     def _make_actors(self) -> list[Actor]:
-        c, tc = self.config, self.target.config
-        buffers = DraftBuffers()
-        self.batcher = Batcher(self.memory.num_blocks, c.block_size, tc.eos_token_ids, c.max_num_seqs,
-                               c.max_num_batched_tokens, min(c.max_model_len, tc.max_position))
+        """The control plane from the same factories replay and simulation use; then the model actors."""
+        from nightjar.actors.control import build_control_actors
+
+        c = self.config
+        built, failed = build_control_actors(self.trace_header())
+        if failed:
+            raise RuntimeError(f"cannot build control actors: {failed}")
+        self.batcher, self.planner, self.weights = built["batcher"], built["planner"], built["weights"]
+        kv = built["kv"]
+        kv.cache, self.allocator = self.cache, kv.alloc
         slot = self._draft_slot()
-        self.planner = Planner(c.policy, c.gamma_max, c.seed, slot is not None)
-        elastic = c.elastic_memory if c.elastic_memory is not None else self.planner.policy.elastic_memory
-        self.weights = WeightMover(slot, self._triggers(), elastic)
-        actors = [Admission(tc.vocab_size, min(c.max_model_len, tc.max_position), c.max_queue,
-                            self.memory.num_blocks * c.block_size),
-                  self.batcher, self.planner, KVPoolActor(self.allocator, self.cache), self.weights,
+        self.weights.slot = slot
+        buffers = DraftBuffers()
+        actors = [built["admission"], self.batcher, self.planner, kv, self.weights,
                   Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed)]
         if slot is not None:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
         return actors
-
-    def _triggers(self) -> Triggers:
-        c, m = self.config, self.memory
-        headroom = 2 * c.max_num_seqs + c.max_num_batched_tokens // c.block_size
-        return Triggers(draft_blocks=m.draft_footprint // m.block_bytes, low_free_frac=c.low_free_frac,
-                        persist_steps=c.persist_steps, headroom_blocks=headroom, offload_on_queue=c.offload_on_queue)
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes the engine holds on its device now (the budget covers their sum)."""
@@ -251,7 +243,9 @@ class Engine:
         """What a trace needs to re-drive the control plane: config, sizes, model identities."""
         return {
             "config": msgspec.to_builtins(self.config), "num_blocks": self.memory.num_blocks,
-            "draft_num_blocks": self.memory.draft_num_blocks, "eos_token_ids": list(self.target.config.eos_token_ids),
+            "draft_num_blocks": self.memory.draft_num_blocks,
+            "draft_blocks": self.memory.draft_footprint // self.memory.block_bytes,
+            "draft_bytes": self.memory.draft_footprint, "eos_token_ids": list(self.target.config.eos_token_ids),
             "vocab_size": self.target.config.vocab_size, "max_position": self.target.config.max_position,
             "target": self.target.source, "draft": self.draft.source if self.draft else None,
             "torch": torch.__version__,
@@ -286,7 +280,7 @@ class Engine:
             self.weights.restore_now()
         if self.tracer is not None:
             self.bus.remove_tap(self.tracer.write)
-            self.tracer.close()
+            self.tracer.close(handled={a.name: a.last_seq for a in self.actors})
         self.started = False
 
     async def __aenter__(self) -> "Engine":

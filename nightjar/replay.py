@@ -21,7 +21,7 @@ import msgspec
 from nightjar.kernel.bus import Envelope
 from nightjar.kernel.messages import Msg
 from nightjar.kernel.trace import TraceError, TraceReader
-from nightjar.sim.control import CONTROL_ACTORS, build_control_actors
+from nightjar.actors.control import CONTROL_ACTORS, build_control_actors
 
 # Measured fields: a replayed actor cannot reproduce wall-clock durations, so they are not compared.
 MEASURED_FIELDS = frozenset({"duration_s", "step_time_s", "draft_time_s", "catchup_time_s"})
@@ -290,7 +290,7 @@ def full_replay(path: str, loaded=None, *, allow_schema_drift: bool = False, spe
 
     from nightjar.engine import Engine
     from nightjar.sampling import SamplingParams
-    from nightjar.sim.control import header_config
+    from nightjar.actors.control import header_config
 
     reader = TraceReader(path, allow_schema_drift=allow_schema_drift)
     reqs = recorded_requests(reader)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from nightjar.kernel.messages import SamplingSpec, SubmitRequest
-from nightjar.sim.control import build_control_actors
+from nightjar.actors.control import build_control_actors
 from nightjar.sim.dispatch import SyncBus
 from nightjar.sim.executors import DEFAULT_ACCEPTANCE, SimCollector, SimExecutor, SimTransfer, fit_acceptance
 from nightjar.sim.profile_model import Profile, roofline_profile

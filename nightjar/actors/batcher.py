@@ -162,12 +162,12 @@ class Batcher(Actor):
         return kept, reason
 
     def _apply_stops(self, seq: Seq, new: list[int]) -> tuple[list[int], FinishReason]:
-        sp = seq.sampling
+        sp, done = seq.sampling, seq.num_output
+        room = min(sp.max_tokens - done, self.max_model_len - len(seq.tokens))     # tokens still allowed
         for i, tok in enumerate(new):
-            count = seq.num_output + i + 1
-            if tok in seq.stop_ids and count > sp.min_tokens:
+            if tok in seq.stop_ids and done + i + 1 > sp.min_tokens:
                 return new[: i + 1], FinishReason.STOP
-            if count >= sp.max_tokens or len(seq.tokens) + i + 1 >= self.max_model_len:
+            if i + 1 >= room:
                 return new[: i + 1], FinishReason.LENGTH
         return new, FinishReason.NONE
 
@@ -201,13 +201,14 @@ class Batcher(Actor):
     def _ensure_decode_fits(self) -> tuple[int, ...]:
         """Preempt (recompute) the newest running requests until every decode row has a slot."""
         preempted = []
+        need = {r: self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1)
+                for r in self.running if self.seqs[r].in_decode}
         while True:
-            need = sum(self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1)
-                       for r in self.running if self.seqs[r].in_decode)
-            if need <= self.num_free or len(self.running) <= 1:
+            if sum(need.values()) <= self.num_free or len(self.running) <= 1:
                 return tuple(preempted)
             victim = self.seqs[max(self.running, key=lambda r: self.seqs[r].arrival)]
             self._preempt(victim)
+            need.pop(victim.req_id, None)
             preempted.append(victim.req_id)
 
     def _preempt(self, seq: Seq) -> None:

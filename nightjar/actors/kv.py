@@ -62,9 +62,11 @@ class KVPoolActor(Actor):
 
     def _reserve(self, gamma: int) -> BlocksReserved:
         """Reserve the step's slots; lower γ for the whole step when blocks run short."""
-        while gamma > 0 and not self._fits(self._needs(gamma)):
+        needs = self._needs(gamma)
+        while gamma > 0 and not self._fits(needs):
             gamma -= 1
-        for rid, n in self._needs(gamma):
+            needs = self._needs(gamma)
+        for rid, n in needs:
             self.alloc.reserve(rid, n)
         s = self.sched
         return BlocksReserved(step=s.step, gamma=gamma,

@@ -37,7 +37,10 @@ class Actor:
     def handle(self, msg: Msg, now: float) -> list[Msg] | None:
         raise NotImplementedError
 
+    last_seq: int = 0                       # seq of the last envelope handled (trace footers)
+
     def handle_batch(self, envs: list[Envelope]) -> list[Msg]:
+        self.last_seq = envs[-1].seq
         out: list[Msg] = []
         for env in envs:
             res = self.handle(env.msg, env.t)

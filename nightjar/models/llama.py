@@ -40,6 +40,8 @@ class BatchLayout:
     positions: torch.Tensor      # [T] int64, absolute position of each query token
     slot_mapping: torch.Tensor   # [T] int64, cache slot (block * block_size + offset) to write
     block_tables: torch.Tensor   # [B, nb] int64, padded with 0
+    query_start_loc: torch.Tensor  # [B+1] int64: row b owns query tokens [qsl[b], qsl[b+1])
+    seq_lens: torch.Tensor       # [B] int64: context length of row b after this chunk
     groups: list[AttnGroup]
     logits_index: torch.Tensor   # [N] int64 into T: rows whose logits are returned
 
@@ -74,7 +76,9 @@ def build_layout(
     groups = [_group(rows, qlens, starts, offsets, table, device) for rows in (short, long) if rows]
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
     return BatchLayout(input_ids=as_t(ids), positions=as_t(pos), slot_mapping=as_t(slots),
-                       block_tables=table.to(device), groups=groups, logits_index=as_t(logit_rows))
+                       block_tables=table.to(device), query_start_loc=as_t(offsets),
+                       seq_lens=as_t([s + q for s, q in zip(starts, qlens)]), groups=groups,
+                       logits_index=as_t(logit_rows))
 
 
 def _tables(block_tables: list[tuple[int, ...]], ctx: list[int], block_size: int) -> torch.Tensor:
@@ -159,6 +163,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.kv_size, bias=False)
         self.v_proj = nn.Linear(h, cfg.kv_size, bias=False)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.use_kernels = False       # set by LlamaModel.select_kernels (Triton on CUDA)
 
     def forward(self, x, cos, sin, lay: BatchLayout, cache) -> torch.Tensor:
         c = self.cfg
@@ -167,9 +172,23 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)     # [T, nkv, d]
         v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)     # [T, nkv, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer, k, v, lay.slot_mapping)
-        out = paged_attention(q, cache, self.layer, lay, 1.0 / math.sqrt(c.head_dim))  # [T, nh, d]
+        scale = 1.0 / math.sqrt(c.head_dim)
+        if self.use_kernels and len(cache.segments) == 1:
+            out = self._kernel_attention(q, k, v, lay, cache, scale)
+        else:
+            cache.write(self.layer, k, v, lay.slot_mapping)
+            out = paged_attention(q, cache, self.layer, lay, scale)  # [T, nh, d]
         return self.o_proj(out.reshape(T, c.q_size))
+
+    def _kernel_attention(self, q, k, v, lay: BatchLayout, cache, scale: float) -> torch.Tensor:
+        """The Triton path (GPU): KV store + varlen paged attention over the single segment."""
+        from nightjar.triton_kernels.kv_store import kv_store_triton
+        from nightjar.triton_kernels.paged_attention import paged_attention_triton
+
+        data = cache.segments[0].data[self.layer]                 # [2, n, bs, nkv, d]
+        kv_store_triton(k, v, data[0], data[1], lay.slot_mapping)
+        return paged_attention_triton(q, data[0], data[1], lay.block_tables, lay.query_start_loc,
+                                      lay.seq_lens, scale)
 
 
 def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale: float) -> torch.Tensor:
@@ -250,6 +269,16 @@ class LlamaModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    def select_kernels(self, triton: bool | None = None) -> bool:
+        """The one switch: Triton kernels on CUDA (unless NIGHTJAR_TRITON=0), torch references elsewhere."""
+        if triton is None:
+            from nightjar.triton_kernels import use_triton
+
+            triton = use_triton() and self.device.type == "cuda"
+        for layer in self.layers:
+            layer.self_attn.use_kernels = triton
+        return triton
 
     def weight_bytes(self) -> int:
         seen, total = set(), 0

@@ -135,7 +135,9 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.inv_freq = rope_inv_freq(cfg)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.select_kernels()
+    return model
 
 
 def load_weights(path: str | Path, dtype: torch.dtype = torch.bfloat16,

@@ -43,7 +43,7 @@ def max_len(header: dict[str, Any], cfg: EngineConfig) -> int:
 
 def _admission(h, c):
     from nightjar.actors.admission import Admission
-    return Admission(int(h["vocab_size"]), max_len(h, c), c.max_queue)
+    return Admission(int(h["vocab_size"]), max_len(h, c), c.max_queue, int(h["num_blocks"]) * c.block_size)
 
 
 def _batcher(h, c):
