@@ -3,7 +3,7 @@ the tiny random model (SmolLM2 tokenizer and chat template)."""
 from __future__ import annotations
 
 import pytest
-from api_support import Server, start_server
+from tests.api.api_support import Server, start_server
 
 
 @pytest.fixture

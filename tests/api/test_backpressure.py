@@ -6,7 +6,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from api_support import MODEL, wait_until
+from tests.api.api_support import MODEL, wait_until
 
 from nightjar.kernel.messages import AbortRequest, FinishReason
 

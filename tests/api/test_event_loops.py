@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from nightjar.api import create_app
-from api_support import MODEL, wait_until
+from tests.api.api_support import MODEL, wait_until
 
 uvloop = pytest.importorskip("uvloop")
 

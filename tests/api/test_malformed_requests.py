@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 from nightjar.engine import Engine
-from api_support import API_KEY, MODEL, start_server
+from tests.api.api_support import API_KEY, MODEL, start_server
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 

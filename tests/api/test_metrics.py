@@ -4,7 +4,7 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_support import MODEL
+from tests.api.api_support import MODEL
 
 EXPECTED = [
     "nightjar:spec_decode_num_drafts", "nightjar:spec_decode_num_draft_tokens",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from api_support import API_KEY, MODEL
+from tests.api.api_support import API_KEY, MODEL
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three birds."}]
 
