@@ -191,7 +191,7 @@ class Engine:
         self.weights.slot = slot
         buffers = DraftBuffers()
         actors = [built["admission"], self.batcher, self.planner, kv, self.weights,
-                  Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed)]
+                  Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed, c.synthetic_acceptance)]
         if slot is not None:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
@@ -218,6 +218,9 @@ class Engine:
         if self.started:
             return self
         await asyncio.to_thread(self._build)
+        if self.config.synthetic_acceptance is not None:
+            log.warning("SYNTHETIC ACCEPTANCE %.2f: drafts are accepted at random; outputs are NOT the target's",
+                        self.config.synthetic_acceptance)
         self._open_trace()
         if self.weights.slot is not None:
             from nightjar.transfer.weights import DraftTransfer

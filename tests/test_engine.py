@@ -246,3 +246,13 @@ def test_a_request_larger_than_the_pool_ends_with_length_instead_of_hanging(make
             await asyncio.sleep(0.05)
             assert_pool_clean(eng)
     asyncio.run(main())
+
+
+def test_synthetic_acceptance_accepts_drafts_at_the_set_rate(make_engine, smol_tokenizer):
+    async def main(rate):
+        async with make_engine("fixed:3", synthetic_acceptance=rate) as eng:
+            await run_all(eng, prompts_of_mixed_length(smol_tokenizer, 4), SamplingParams(max_tokens=20, ignore_eos=True))
+            return eng.stats
+    full, none = asyncio.run(main(1.0)), asyncio.run(main(0.0))
+    assert full.accepted_tokens == full.draft_tokens > 0
+    assert none.accepted_tokens == 0 and none.draft_tokens > 0

@@ -22,8 +22,11 @@ class Verifier(Actor):
     subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved, StepDrafted)
     blocking = True
 
-    def __init__(self, model, cache, block_size: int, buffers: DraftBuffers, seed: int):
+    def __init__(self, model, cache, block_size: int, buffers: DraftBuffers, seed: int,
+                 synthetic_acceptance: float | None = None):
         super().__init__()
+        self.synthetic = synthetic_acceptance       # like vLLM's synthetic rejection sampler: NOT lossless
+        self.synth_gen = torch.Generator(device=model.device).manual_seed(seed) if synthetic_acceptance else None
         self.model, self.cache, self.block_size, self.buffers = model, cache, block_size, buffers
         self.mirrors = RequestMirrors(seed, "target", model.device)
         self.sched: StepScheduled | None = None
@@ -99,8 +102,25 @@ class Verifier(Actor):
         nd = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
         q = self._draft_probs(rids, probs_q, G, tl.shape[-1], tl.device) if probs_q else None
         gens = [self.mirrors[r].gen for r in rids]
-        toks, acc = rejection_sample_ref(p, dt, q, nd, greedy, gens)
+        if self.synthetic is not None:
+            toks, acc = self._synthetic_accept(p, dt, nd)
+        else:
+            toks, acc = rejection_sample_ref(p, dt, q, nd, greedy, gens)
         return [[t for t in row if t >= 0] for row in toks.tolist()], acc.tolist()
+
+    def _synthetic_accept(self, p, drafts, nd):
+        """Accept each draft with a set probability (benchmarks of the control plane on random weights)."""
+        B, G = drafts.shape
+        u = torch.rand((B, G), generator=self.synth_gen, device=p.device)                 # [B, G]
+        ok = (u < self.synthetic) & (torch.arange(G, device=p.device) < nd.to(p.device)[:, None])
+        acc = ok.to(torch.int64).cumprod(1).sum(1)                                         # [B]
+        argmax = p.argmax(-1)                                                              # [B, G+1]
+        out = torch.full((B, G + 1), -1, dtype=torch.int64, device=p.device)
+        for b in range(B):
+            k = int(acc[b])
+            out[b, :k] = drafts[b, :k]
+            out[b, k] = argmax[b, k]
+        return out, acc
 
     @staticmethod
     def _draft_probs(rids, probs_q, G, V, device):

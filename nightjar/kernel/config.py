@@ -24,5 +24,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     persist_steps: int = 3                 # T_persist
     offload_on_queue: bool = False         # the paper's v3 trigger (queueing alone offloads)
     draft_kv_tokens: int | None = None     # draft KV capacity in tokens (default: target pool's)
+    synthetic_acceptance: float | None = None   # TESTING ONLY: accept each draft with this probability
     trace: str | None = None               # record every bus envelope to this file
     trace_max_bytes: int = 1 << 30         # rotate the trace file past this size
