@@ -256,3 +256,21 @@ def test_synthetic_acceptance_accepts_drafts_at_the_set_rate(make_engine, smol_t
     full, none = asyncio.run(main(1.0)), asyncio.run(main(0.0))
     assert full.accepted_tokens == full.draft_tokens > 0
     assert none.accepted_tokens == 0 and none.draft_tokens > 0
+
+
+def test_greedy_tokens_do_not_depend_on_block_size_or_placement(make_engine, smol_tokenizer):
+    prompts = prompts_of_mixed_length(smol_tokenizer, 16)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref, _ = generate_with(make_engine, "off", prompts, params, max_num_seqs=1, block_size=16)
+    for bs in (4, 32):
+        got, _ = generate_with(make_engine, "fixed:2", prompts, params, max_num_seqs=16, block_size=bs)
+        assert got == ref, bs
+
+    async def fragmented():                      # interleaved, non-contiguous block placement
+        async with make_engine("off", block_size=4) as eng:
+            eng.allocator.reserve(-1, 4 * 64)
+            for i in range(-2, -40, -1):
+                eng.allocator.reserve(i, 4)
+            eng.allocator.free(-1)
+            return await run_all(eng, prompts, params)
+    assert asyncio.run(fragmented()) == ref

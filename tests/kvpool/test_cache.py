@@ -1,0 +1,54 @@
+"""KV cache segments: writes and gathers across segments, tail migration, release and restore."""
+from __future__ import annotations
+
+import torch
+
+from nightjar.kvpool.cache import KVCache
+
+
+def filled(cache: KVCache, seed: int = 0) -> dict[int, torch.Tensor]:
+    """Write a distinct vector into every slot of every block; return slot -> K row of layer 1."""
+    g = torch.Generator().manual_seed(seed)
+    T = cache.num_blocks * cache.block_size
+    k = torch.randn(T, cache.num_kv_heads, cache.head_dim, generator=g)
+    for layer in range(cache.num_layers):
+        cache.write(layer, k + layer, -k, torch.arange(T))
+    return {s: k[s] + 1 for s in range(T)}
+
+
+def test_writes_and_gathers_span_segments_without_copying_the_first():
+    cache = KVCache(2, 2, 4, 4, num_blocks=3, dtype=torch.float32)
+    first = cache.segments[0].data
+    cache.add_segment(2)
+    assert cache.segments[0].data is first and cache.num_blocks == 5
+    rows = filled(cache)
+    tables = torch.tensor([[4, 0, 3], [1, 2, 4]])
+    k, v = cache.gather(1, tables)                                        # [2, 12, 2, 4]
+    for b in range(2):
+        for j, blk in enumerate(tables[b].tolist()):
+            for o in range(4):
+                assert torch.equal(k[b, j * 4 + o], rows[blk * 4 + o])
+    assert torch.allclose(v[0, :4], -(k[0, :4] - 1))
+
+
+def test_migrate_moves_tail_blocks_into_the_first_segment_for_all_layers():
+    cache = KVCache(3, 1, 2, 2, num_blocks=4, dtype=torch.float32)
+    cache.add_segment(3)
+    rows = filled(cache, seed=1)
+    cache.migrate([(5, 1), (6, 3), (4, 0)])
+    assert cache.drop_last_segment() == 3 and cache.num_blocks == 4
+    for src, dst in [(5, 1), (6, 3), (4, 0)]:
+        k, _ = cache.gather(1, torch.tensor([[dst]]))
+        assert torch.equal(k[0, 0], rows[src * 2]) and torch.equal(k[0, 1], rows[src * 2 + 1])
+    k2, _ = cache.gather(2, torch.tensor([[2]]))
+    assert torch.equal(k2[0, 0], rows[4] + 1)                             # untouched block, layer 2
+
+
+def test_release_frees_the_bytes_and_restore_brings_the_data_back():
+    cache = KVCache(2, 2, 4, 4, num_blocks=3, dtype=torch.float32)
+    filled(cache)
+    host = cache.to_host()
+    before = cache.gather(0, torch.tensor([[2, 1]]))[0].clone()
+    assert cache.release() == host[0].numel() * 4 and cache.nbytes == 0
+    cache.restore(host)
+    assert torch.equal(cache.gather(0, torch.tensor([[2, 1]]))[0], before)
