@@ -64,6 +64,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the speed runs")
+    ap.add_argument("--speed-prompts", type=int, default=12, help="prompts per single-stream speed run")
     ap.add_argument("--write-card", action="store_true", help="append the figures to the draft's model card")
     a = ap.parse_args(argv)
     prompts = read_prompts(a.prompts, a.limit)
@@ -79,7 +80,7 @@ def main(argv=None) -> dict:
     speeds = {p: [] for p in policies}
     for r in range(a.repeats):
         for p in policies[r % len(policies):] + policies[: r % len(policies)]:     # rotate the order
-            tps, _ = asyncio.run(run_policy(pair, p, a.gamma, prompts, a.max_tokens, a.dtype))
+            tps, _ = asyncio.run(run_policy(pair, p, a.gamma, prompts[: a.speed_prompts], a.max_tokens, a.dtype))
             speeds[p].append(tps)
             print(f"  {p:8s} {tps:6.1f} tok/s", flush=True)
     med = {p: statistics.median(v) for p, v in speeds.items()}

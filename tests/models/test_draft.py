@@ -1,0 +1,51 @@
+"""The shipped draft: loads through our loader and through transformers with equal logits (fp32),
+and speculative decoding with it on the real SmolLM2 is greedy-exact."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from nightjar.models import DEFAULT_DRAFT_DIR, load_draft
+from nightjar.models.loader import load_weights
+from tests.models.test_llama_parity import Runner
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_the_default_draft_is_shipped_small_and_shares_the_vocabulary(smollm2_fp32):
+    files = {p.name: p.stat().st_size for p in DEFAULT_DRAFT_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    assert files["model.safetensors"] <= 40 * 1024 * 1024
+    draft = load_draft("default", smollm2_fp32.config, "float32")
+    assert draft.source != "random" and draft.config.vocab_size == smollm2_fp32.config.vocab_size == 49152
+
+
+def test_our_loader_and_transformers_give_the_same_draft_logits():
+    ours = load_weights(DEFAULT_DRAFT_DIR, torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_DRAFT_DIR, dtype=torch.float32).eval()
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 30, 2, 198, 1, 4093, 198, 1780, 314]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got = Runner(ours, block_size=16).run({0: (ids, 0)}, {0: len(ids)})
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_speculative_decoding_with_the_draft_is_greedy_exact_on_smollm2(smollm2_fp32):
+    from nightjar.engine import Engine
+    from nightjar.sampling import SamplingParams
+
+    draft = load_draft("default", smollm2_fp32.config, "float32")
+    prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "Explain photosynthesis briefly."]
+
+    async def run(policy):
+        async with Engine(policy=policy, loaded=(smollm2_fp32, draft), dtype="float32", gamma_max=4) as eng:
+            async def one(p):
+                return [t for o in [x async for x in eng.generate([{"role": "user", "content": p}],
+                                                                   SamplingParams(max_tokens=32))] for t in o.token_ids]
+            return await asyncio.gather(*[one(p) for p in prompts]), eng.stats
+    ref, _ = asyncio.run(run("off"))
+    got, stats = asyncio.run(run("fixed:4"))
+    assert got == ref
+    assert stats.accepted_tokens > 0.2 * stats.draft_tokens       # a trained draft, not a random one
