@@ -2,7 +2,6 @@
 simulated run's trace replays with zero divergence."""
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -46,11 +45,10 @@ def test_policies_run_on_identical_arrivals_and_are_deterministic(a100_13b):
                                                                  res["nightjar"].mean_gamma, res["nightjar"].steps)
 
 
-def test_two_thousand_requests_simulate_quickly(a100_13b):
+def test_two_thousand_requests_simulate_to_completion(a100_13b):
     wl = make_workload("poisson:4", seed=0, num_requests=2000)
-    t0 = time.perf_counter()
     r = simulate(a100_13b, wl, "nightjar")
-    assert r.finished == 2000 and time.perf_counter() - t0 < 30     # ~3 s measured on the shared 2-vCPU box
+    assert r.finished == 2000          # ~3 s on the shared 2-vCPU box (speed is benchmarked, not tested)
 
 
 def test_a_simulated_run_records_a_trace_that_replays_with_zero_divergence(a100_13b, tmp_path):
