@@ -103,8 +103,9 @@ def _teacher_group(model, cache, group, k, bs):
 
 
 # ---- 3. training ---------------------------------------------------------------------------------
-def dense_forward(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
-    """Causal forward for training (no paged cache). ids [B, S] -> logits [B, S, V]."""
+def dense_forward(model: LlamaModel, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal forward for training (no paged cache). ids [B, S] -> logits [B, S, V], or [M, V] for
+    the positions in ``mask`` only (the LM head over 49k entries dominates the cost)."""
     c = model.cfg
     B, S = ids.shape
     x = model.embed_tokens(ids)                                                   # [B, S, h]
@@ -119,7 +120,8 @@ def dense_forward(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
                                            is_causal=True, enable_gqa=True)       # [B, nh, S, d]
         x = x + a.o_proj(o.transpose(1, 2).reshape(B, S, c.q_size))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(model.norm(x))
+    x = model.norm(x)
+    return model.lm_head(x if mask is None else x[mask])
 
 
 def init_draft(cfg: ModelConfig, target: LlamaModel, seed: int) -> LlamaModel:
@@ -143,7 +145,8 @@ def make_batches(corpus, max_len: int, batch: int, gen: torch.Generator):
         yield [corpus[j] for j in order[i: i + batch]]
 
 
-def collate(recs, max_len: int, k: int):
+def collate(recs, max_len: int, k: int | None = None):
+    k = k or next(len(r["topk_ids"][0]) for r in recs if r["topk_ids"])
     seqs = [(r["prompt_ids"] + r["answer_ids"])[-max_len:] for r in recs]
     S = max(len(s) for s in seqs)
     ids = torch.zeros((len(recs), S), dtype=torch.int64)
@@ -163,8 +166,8 @@ def collate(recs, max_len: int, k: int):
 
 
 def kd_loss(logits, tid, tlp, mask, hard_weight: float = 0.2):
-    """KL(teacher top-k renormalised || draft) + hard CE on the teacher's argmax."""
-    lp = logits[mask].float().log_softmax(-1)                                     # [M, V]
+    """KL(teacher top-k renormalised || draft) + hard CE on the teacher's argmax. logits [M, V]."""
+    lp = logits.float().log_softmax(-1)                                           # [M, V]
     t = tlp[mask].softmax(-1)                                                     # [M, k]
     ids = tid[mask]
     soft = -(t * lp.gather(-1, ids)).sum(-1).mean()
@@ -185,17 +188,19 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
     t_start, last_ck = time.time() - state["elapsed"], time.time()
     while time.time() - t_start < minutes * 60:
         for recs in make_batches(corpus, max_len, batch, gen):
-            ids, tid, tlp, mask = collate(recs, max_len, TOPK)
+            ids, tid, tlp, mask = collate(recs, max_len)
             frac = min(1.0, (time.time() - t_start) / (minutes * 60))
             for g in opt.param_groups:
                 g["lr"] = lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-            loss = kd_loss(dense_forward(model, ids), tid, tlp, mask)
+            with torch.autocast("cpu", dtype=torch.bfloat16):      # AMX matmuls; loss in fp32
+                logits = dense_forward(model, ids, mask)
+            loss = kd_loss(logits, tid, tlp, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             state["step"] += 1
-            state["losses"].append(round(float(loss), 4))
+            state["losses"].append(round(loss.item(), 4))
             if state["step"] % 20 == 0:
                 log(f"step {state['step']} epoch {state['epoch']} loss {sum(state['losses'][-20:]) / 20:.4f} "
                     f"t {time.time() - t_start:.0f}s")

@@ -1,0 +1,43 @@
+"""Distillation pieces on a tiny target: teacher top-k, soft-target loss, a short training run, saving."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from nightjar.models import LoadedModel
+from nightjar.models.distill import collate, draft_config, init_draft, kd_loss, dense_forward, save_draft, \
+    teacher_topk, train
+from nightjar.models.loader import load_weights
+from tests.conftest import random_model, tiny_config
+
+
+def tiny_corpus(target, n=8):
+    g = torch.Generator().manual_seed(0)
+    corpus = [{"id": f"p{i}", "prompt_ids": torch.randint(0, 100, (6 + i,), generator=g).tolist(),
+               "answer_ids": torch.randint(0, 100, (5 + i % 3,), generator=g).tolist()} for i in range(n)]
+    teacher_topk(LoadedModel(target, None, "t"), corpus, k=4)
+    return corpus
+
+
+def test_teacher_top_k_has_one_row_per_answer_token_and_sorted_log_probs():
+    target = random_model(tiny_config(vocab=100, hidden=32), seed=0)
+    for r in tiny_corpus(target):
+        assert len(r["topk_ids"]) == len(r["answer_ids"]) and len(r["topk_ids"][0]) == 4
+        assert all(a >= b for a, b in zip(r["topk_logp"][0], r["topk_logp"][0][1:]))
+
+
+def test_a_short_training_run_lowers_the_loss_and_saves_a_transformers_loadable_draft(tmp_path):
+    target = random_model(tiny_config(vocab=100, hidden=32), seed=0)
+    corpus = tiny_corpus(target)
+    cfg = draft_config(target.cfg, hidden=16, layers=1, inter=32, heads=2, kv_heads=1)
+    draft = init_draft(cfg, target, seed=0)
+    ids, tid, tlp, mask = collate(corpus, 64, 4)
+    before = kd_loss(dense_forward(draft, ids, mask), tid, tlp, mask).item()
+    state = train(draft, corpus, minutes=0.05, out=tmp_path, batch=4, log=lambda s: None)
+    after = kd_loss(dense_forward(draft, ids, mask), tid, tlp, mask).item()
+    assert state["step"] > 0 and after < before
+    save_draft(draft, tmp_path / "draft", "# card\n")
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["hidden_size"] == 16
+    ours = load_weights(tmp_path / "draft", torch.float32)
+    assert torch.equal(ours.embed_tokens.weight, draft.embed_tokens.weight.to(torch.bfloat16).float())
