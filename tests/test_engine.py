@@ -274,3 +274,12 @@ def test_greedy_tokens_do_not_depend_on_block_size_or_placement(make_engine, smo
             eng.allocator.free(-1)
             return await run_all(eng, prompts, params)
     assert asyncio.run(fragmented()) == ref
+
+
+@pytest.mark.parametrize("policy", ["dsd", "banditspec", "table:mlc", "nightjar", "nightjar-nooffload"])
+def test_adaptive_policies_are_greedy_exact_too(make_engine, smol_tokenizer, policy):
+    prompts = prompts_of_mixed_length(smol_tokenizer, 12)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref, _ = generate_with(make_engine, "off", prompts, params)
+    got, stats = generate_with(make_engine, policy, prompts, params)
+    assert got == ref and stats.draft_tokens > 0
