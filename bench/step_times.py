@@ -17,7 +17,7 @@ from nightjar.models import build_layout, load_model
 
 
 def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
-    """Bytes/s of a large device copy (read + write counted once: a weight read streams once)."""
+    """Bytes/s of a large device copy, counting the bytes copied once (the usual "copy bandwidth")."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
@@ -25,7 +25,7 @@ def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
     for _ in range(5):
         _sync(device); t0 = time.perf_counter(); b.copy_(a); _sync(device)
         ts.append(time.perf_counter() - t0)
-    return 2 * nbytes / min(ts)            # a copy reads and writes nbytes
+    return nbytes / min(ts)
 
 
 def _sync(device: str) -> None:
