@@ -62,7 +62,6 @@ class Collector(Actor):
         super().__init__()
         self.queues: dict[int, asyncio.Queue] = {}
         self.stats = EngineStats()
-        self.taps: list = []
 
     def handle(self, msg, now):
         match msg:
@@ -79,8 +78,6 @@ class Collector(Actor):
                     q.put_nowait(RequestError(msg.message, msg.status))
             case StepTimed():
                 self.stats.observe(msg)
-                for tap in self.taps:
-                    tap(msg, now)
         return None
 
 

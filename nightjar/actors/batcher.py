@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    BlocksReserved, CancelRequest, DraftOffloaded, FinishReason, PoolResized, ReleaseBlocks,
+    BlocksReserved, CancelRequest, FinishReason, PoolResized, ReleaseBlocks,
     RequestAdmitted, RequestsPreempted, SamplingSpec, StepScheduled, StepVerified, TokensCommitted,
 )
 
@@ -45,7 +45,7 @@ class Seq:
 
 class Batcher(Actor):
     name: ClassVar[str] = "batcher"
-    subscribes = (RequestAdmitted, CancelRequest, StepVerified, BlocksReserved, PoolResized, DraftOffloaded)
+    subscribes = (RequestAdmitted, CancelRequest, StepVerified, BlocksReserved, PoolResized)
 
     def __init__(self, num_blocks: int, block_size: int, eos_ids: tuple[int, ...] = (),
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048):
@@ -77,8 +77,6 @@ class Batcher(Actor):
             case PoolResized():
                 self.num_free += msg.delta
                 return self._maybe_schedule()
-            case DraftOffloaded():
-                return None
         return None
 
     def _admit(self, msg: RequestAdmitted) -> None:
