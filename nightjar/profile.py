@@ -130,6 +130,7 @@ def _transfer(draft, cache, reps: int) -> dict:
 def engine_overhead(make_engine, n: int = 8, max_tokens: int = 24) -> float:
     """Per-step engine cost beyond the recorded forwards: (wall time of decode-heavy run − Σ step_time_s −
     Σ catch-up) / steps, with policy ``off`` so every step is one target forward."""
+    from nightjar.kernel.messages import StepTimed
     from nightjar.sampling import SamplingParams
 
     async def main():
@@ -137,7 +138,7 @@ def engine_overhead(make_engine, n: int = 8, max_tokens: int = 24) -> float:
             sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             await asyncio.gather(*[_drain(eng.generate([11 + i] * 16, sp)) for i in range(2)])   # warm-up
             times: list[float] = []
-            eng.collector.taps.append(lambda m, now: times.append(m.step_time_s))
+            eng.bus.add_tap(lambda env: times.append(env.msg.step_time_s) if isinstance(env.msg, StepTimed) else None)
             t0 = time.perf_counter()
             await asyncio.gather(*[_drain(eng.generate([20 + i] * 16, sp)) for i in range(n)])
             wall = time.perf_counter() - t0
