@@ -6,15 +6,19 @@ import asyncio
 
 from nightjar.kernel.messages import DraftResidency, OffloadDraft, PoolResized, ReloadDraft
 from nightjar.sampling import SamplingParams
-from tests.test_engine import assert_pool_clean, prompts_of_mixed_length, run_all
+from tests.test_engine import assert_pool_clean, pool_settled, prompts_of_mixed_length, run_all
 
 
 async def wait_state(eng, state, timeout=10.0):
+    await wait_for(lambda: eng.weights.state == state, timeout, f"weights state {state}")
+
+
+async def wait_for(predicate, timeout=10.0, what="condition"):
     for _ in range(int(timeout / 0.005)):
-        if eng.weights.state == state:
+        if predicate():
             return
         await asyncio.sleep(0.005)
-    raise AssertionError(f"weights state {eng.weights.state}, wanted {state}")
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events_of(eng, types):
@@ -52,6 +56,8 @@ def test_forced_offload_and_reload_cycles_keep_greedy_tokens_and_move_exact_byte
                 await wait_steps(eng, eng.stats.steps + 8)
                 eng.bus.publish("test", [OffloadDraft(reason="test")])
                 await wait_state(eng, "OFFLOADED")
+                # OFFLOADED is set when the copy finishes; the pool grows when the KV actor handles GrowPool.
+                await wait_for(lambda: eng.allocator.num_total == 64 + n_draft, what="pool growth")
                 mid = eng.device_bytes()
                 assert mid["draft_weights"] == 0 and mid["draft_kv"] == 0
                 assert mid["kv_pool"] - before["kv_pool"] == n_draft * block
@@ -67,7 +73,7 @@ def test_forced_offload_and_reload_cycles_keep_greedy_tokens_and_move_exact_byte
             assert [m.delta for m in resized if m.delta] == [n_draft, -n_draft] * 2
             assert eng.stats.accepted_tokens > 0
             assert sum(1 for t in timed if t.catchup_tokens > 0) >= 2    # the draft caught up after reloads
-            await asyncio.sleep(0.05)
+            await pool_settled(eng)
             assert_pool_clean(eng)
             return out
     assert asyncio.run(cycled()) == asyncio.run(reference())
@@ -117,7 +123,7 @@ def test_memory_pressure_offloads_and_low_load_reloads_automatically(make_engine
             tail = await run_all(eng, prompts[:1], SamplingParams(max_tokens=20, ignore_eos=True))
             seen = [m.state for m in states]
             assert "OFFLOADED" in seen and seen[-1] == "RESIDENT", seen
-            await asyncio.sleep(0.05)
+            await pool_settled(eng)
             assert_pool_clean(eng)
             assert eng.allocator.num_total == 40
             return out, tail

@@ -33,6 +33,14 @@ async def run_all(engine: Engine, prompts, params, stagger=0.003):
     return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
 
+async def pool_settled(engine: Engine, timeout: float = 10.0):
+    """Wait until every finished request's blocks came back (releases travel over the bus)."""
+    for _ in range(int(timeout / 0.005)):
+        if engine.allocator.num_free == engine.allocator.num_total and not engine.allocator.seq_ids():
+            return
+        await asyncio.sleep(0.005)
+
+
 def assert_pool_clean(engine: Engine):
     engine.allocator.check_integrity()
     assert engine.allocator.num_free == engine.allocator.num_total
@@ -43,7 +51,7 @@ def generate_with(make_engine, policy, prompts, params, **kw):
     async def main():
         async with make_engine(policy, **kw) as eng:
             res = await run_all(eng, prompts, params)
-            await asyncio.sleep(0.05)
+            await pool_settled(eng)
             assert_pool_clean(eng)
             return res, eng.stats
     return asyncio.run(main())
@@ -70,7 +78,7 @@ def test_preemption_under_a_tiny_pool_completes_every_request_with_the_same_toke
         async with make_engine("fixed:3", num_blocks=12, block_size=8, max_num_seqs=8) as eng:
             res = await run_all(eng, prompts, params, stagger=0)
             assert eng.batcher.num_preemptions > 0
-            await asyncio.sleep(0.05)
+            await pool_settled(eng)
             assert_pool_clean(eng)
             return res
     assert asyncio.run(main()) == ref
@@ -106,7 +114,7 @@ def test_explicit_abort_finishes_the_stream_with_abort(make_engine, smol_tokeniz
                     sent = True
                 reasons.append(o.finish_reason)
             assert reasons[-1] == "abort"
-            await asyncio.sleep(0.05)
+            await pool_settled(eng)
             assert_pool_clean(eng)
     asyncio.run(main())
 
@@ -149,7 +157,7 @@ def test_stop_strings_cut_the_text_even_across_token_boundaries(make_engine, smo
             outs = [o async for o in eng.generate(ids, SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))]
             text = "".join(o.text_delta for o in outs)
             assert text == full[: full.index(stop)] and outs[-1].finish_reason == "stop"
-            await asyncio.sleep(0.05)
+            await pool_settled(eng)
             assert_pool_clean(eng)
     asyncio.run(main())
 
@@ -243,7 +251,7 @@ def test_a_request_larger_than_the_pool_ends_with_length_instead_of_hanging(make
                     pass
             outs = [o async for o in eng.generate([5] * 20, SamplingParams(max_tokens=100, ignore_eos=True))]
             assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens < 100
-            await asyncio.sleep(0.05)
+            await pool_settled(eng)
             assert_pool_clean(eng)
     asyncio.run(main())
 
