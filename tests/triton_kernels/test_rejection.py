@@ -1,0 +1,71 @@
+"""The torch sampling reference: the top-k/top-p fast path equals the full sort, inverse-CDF draws follow
+the distribution and never pick a zero-probability token, and verification emits p's distribution."""
+from __future__ import annotations
+
+import torch
+
+from nightjar.triton_kernels.rejection import (
+    _inverse_cdf, _sorted_probs, rejection_sample_ref, sample_from, transform_logits,
+)
+
+
+def _logits(B, G1, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.5, 8.0, B)[:, None, None]                       # flat rows to peaked rows
+    return torch.randn((B, G1, V), generator=g) * scale                      # [B, G+1, V]
+
+
+def test_top_p_fast_path_equals_the_full_sort_for_flat_and_peaked_rows():
+    B, G1, V = 8, 3, 5000
+    x = _logits(B, G1, V)
+    temp = torch.full((B, 1), 0.8)
+    for top_k, top_p in [(0, 0.9), (0, 0.5), (50, 0.95), (3000, 0.99), (20, 1.0), (0, 0.0)]:
+        tk, tp = torch.full((B, 1), top_k), torch.full((B, 1), top_p)
+        got = transform_logits(x, temp, tk, tp)                              # [B, G+1, V]
+        k = torch.where(tk <= 0, torch.full_like(tk, V), tk).expand(B, G1)
+        want = _sorted_probs(x / 0.8, k, tp.expand(B, G1))
+        assert torch.allclose(got, want, atol=1e-6), (top_k, top_p)
+        assert torch.allclose(got.sum(-1), torch.ones(B, G1), atol=1e-5)
+
+
+def test_greedy_rows_stay_one_hot_beside_truncated_rows():
+    x = _logits(4, 1, 3000)[:, 0]                                             # [4, V]
+    temp = torch.tensor([0.0, 1.0, 0.0, 0.7])
+    probs = transform_logits(x, temp, torch.zeros(4, dtype=torch.int64), torch.full((4,), 0.9))
+    assert torch.equal(probs[0].nonzero().view(-1), x[0].argmax().view(1))
+    assert torch.equal(probs[2].nonzero().view(-1), x[2].argmax().view(1))
+    assert (probs[1] > 0).sum() > 1
+
+
+def test_inverse_cdf_follows_the_distribution_and_skips_zero_mass():
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    n = 20000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    draws = _inverse_cdf(p.expand(n, -1), u)                                  # [n]
+    freq = torch.bincount(draws, minlength=6).double() / n
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq, p.double(), atol=0.015)
+    edge = _inverse_cdf(p.expand(3, -1), torch.tensor([0.0, 0.999999999, 1.0], dtype=torch.float64))
+    assert edge.tolist() == [1, 4, 4]                                         # u = 1 clamps to the last positive
+
+
+def test_sample_from_is_reproducible_per_generator():
+    probs = torch.softmax(_logits(5, 1, 1000)[:, 0], -1)
+    a = sample_from(probs, [torch.Generator().manual_seed(s) for s in range(5)])
+    b = sample_from(probs, [torch.Generator().manual_seed(s) for s in range(5)])
+    assert torch.equal(a, b)
+
+
+def test_verification_emits_the_target_distribution_whatever_the_draft():
+    V, G = 5, 2
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.3, 0.0]] * (G + 1))                  # [G+1, V]
+    q = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.1]] * G)                         # [G, V]
+    gen = torch.Generator().manual_seed(3)
+    first = torch.zeros(V)
+    n = 6000
+    for _ in range(n):
+        qs = torch.multinomial(q[0], G, replacement=True, generator=gen)      # drafts from q
+        toks, _ = rejection_sample_ref(p[None], qs[None], q[None], torch.tensor([G]),
+                                       torch.tensor([False]), [gen])
+        first[toks[0, 0]] += 1
+    assert torch.allclose(first / n, p[0], atol=0.025)
