@@ -18,7 +18,7 @@ def validate(prompt_ids: tuple[int, ...], sp: SamplingSpec, vocab_size: int, max
         return f"prompt has {len(prompt_ids)} tokens; the KV pool holds {pool_tokens}"
     if len(prompt_ids) >= max_model_len:
         return f"prompt has {len(prompt_ids)} tokens; the context is {max_model_len} (prompt must leave room for 1 token)"
-    if any(t < 0 or t >= vocab_size for t in prompt_ids):
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         return f"prompt token ids must be in [0, {vocab_size})"
     return validate_sampling(sp, vocab_size)
 

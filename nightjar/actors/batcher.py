@@ -36,7 +36,8 @@ class Seq:
 
     @property
     def in_decode(self) -> bool:
-        return self.num_computed >= len(self.tokens) - 1 and self.num_output > 0
+        n = len(self.tokens)
+        return self.num_computed >= n - 1 and n > self.num_prompt
 
     def prefill_end(self) -> int:
         """Where prefill stops: the whole prompt, or all but the last token after a recompute."""
@@ -126,28 +127,34 @@ class Batcher(Actor):
         if sched is None or sched.step != msg.step:
             return []
         ids, counts, toks, comp, fin, nprompt = [], [], [], [], [], []
-        pos = 0
-        for row, rid in enumerate(msg.req_ids):
-            new = msg.tokens[pos: pos + msg.counts[row]]
-            pos += msg.counts[row]
-            seq = self.seqs.get(rid)
+        seqs, tokens, pos = self.seqs, msg.tokens, 0
+        for row, (rid, c) in enumerate(zip(msg.req_ids, msg.counts)):
+            new = tokens[pos: pos + c]
+            pos += c
+            seq = seqs.get(rid)
             if seq is None:
                 continue
-            kept, reason = self._advance(seq, sched, row, new, msg.accepted[row], msg.gamma)
-            if rid in self.aborts:
-                kept, reason = [], self.aborts.pop(rid)
+            self._advance_counters(seq, sched, row, msg.accepted[row], msg.gamma)
+            sp, n = seq.sampling, len(seq.tokens)
+            if len(new) < min(sp.max_tokens + seq.num_prompt, self.max_model_len) - n and seq.stop_ids.isdisjoint(new):
+                kept, reason = new, FinishReason.NONE                      # the common case: no stop
+            else:
+                kept, reason = self._apply_stops(seq, new)
+            seq.tokens.extend(kept)
+            if self.aborts and rid in self.aborts:
+                kept, reason = (), self.aborts.pop(rid)
             ids.append(rid); counts.append(len(kept)); toks.extend(kept)
             comp.append(seq.num_computed); fin.append(int(reason)); nprompt.append(seq.num_prompt)
         out = [TokensCommitted(step=msg.step, req_ids=tuple(ids), counts=tuple(counts), tokens=tuple(toks),
                                num_computed=tuple(comp), finish=tuple(fin), num_prompt=tuple(nprompt))]
         done = tuple(rid for rid, f in zip(ids, fin) if f)
         for rid in done:
-            self._drop(self.seqs[rid])
+            self._drop(seqs[rid])
         return out + ([ReleaseBlocks(req_ids=done)] if done else [])
 
-    def _advance(self, seq: Seq, sched: StepScheduled, row: int, new: tuple[int, ...], accepted: int,
-                 gamma: int) -> tuple[list[int], FinishReason]:
-        """Apply one row's result: KV counters, draft lag, stop conditions."""
+    @staticmethod
+    def _advance_counters(seq: Seq, sched: StepScheduled, row: int, accepted: int, gamma: int) -> None:
+        """KV counters and draft lag after one row's result."""
         if row < sched.num_decode:
             n = len(seq.tokens)
             seq.num_computed = n + accepted
@@ -155,11 +162,8 @@ class Batcher(Actor):
                 seq.draft_computed = n + min(accepted, gamma - 1)
         else:
             seq.num_computed = sched.starts[row] + len(sched.chunk_ids[row])
-        kept, reason = self._apply_stops(seq, list(new))
-        seq.tokens.extend(kept)
-        return kept, reason
 
-    def _apply_stops(self, seq: Seq, new: list[int]) -> tuple[list[int], FinishReason]:
+    def _apply_stops(self, seq: Seq, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason]:
         sp, done = seq.sampling, seq.num_output
         room = min(sp.max_tokens - done, self.max_model_len - len(seq.tokens))     # tokens still allowed
         for i, tok in enumerate(new):
@@ -174,9 +178,11 @@ class Batcher(Actor):
         if self.inflight is not None or not (self.running or self.waiting):
             return []
         out = self._finish_stranded()
-        preempted = self._ensure_decode_fits()
         decode = [rid for rid in self.running if self.seqs[rid].in_decode]
-        prefill = self._pick_prefill(len(decode))
+        preempted, need = self._ensure_decode_fits(decode)
+        if preempted:
+            decode = [rid for rid in decode if rid not in preempted]
+        prefill = self._pick_prefill(decode, sum(need.values()))
         if preempted:
             out += [RequestsPreempted(req_ids=preempted), ReleaseBlocks(req_ids=preempted)]
         if decode or prefill:
@@ -196,14 +202,14 @@ class Batcher(Actor):
     def _blocks_for(self, seq: Seq, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - seq.num_blocks)
 
-    def _ensure_decode_fits(self) -> tuple[int, ...]:
-        """Preempt (recompute) the newest running requests until every decode row has a slot."""
+    def _ensure_decode_fits(self, decode: list[int]) -> tuple[tuple[int, ...], dict[int, int]]:
+        """Preempt (recompute) the newest running requests until every decode row has a slot.
+        Returns the preempted ids and the blocks each remaining decode row needs."""
         preempted = []
-        need = {r: self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1)
-                for r in self.running if self.seqs[r].in_decode}
+        need = {r: self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1) for r in decode}
         while True:
             if sum(need.values()) <= self.num_free or len(self.running) <= 1:
-                return tuple(preempted)
+                return tuple(preempted), need
             victim = self.seqs[max(self.running, key=lambda r: self.seqs[r].arrival)]
             self._preempt(victim)
             need.pop(victim.req_id, None)
@@ -216,13 +222,15 @@ class Batcher(Actor):
         self.waiting.appendleft(seq.req_id)
         self.num_preemptions += 1
 
-    def _pick_prefill(self, num_decode: int) -> list[tuple[int, int, int]]:
+    def _pick_prefill(self, decode: list[int], decode_blocks: int) -> list[tuple[int, int, int]]:
         """(req_id, start, length) prefill chunks: running partial prefills first, then FCFS waiting."""
-        budget = self.budget - num_decode
-        free = self.num_free - sum(self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1)
-                                   for r in self.running if self.seqs[r].in_decode)
+        budget = self.budget - len(decode)
+        free = self.num_free - decode_blocks
+        if budget <= 0 or (len(decode) == len(self.running) and not self.waiting):
+            return []
+        in_decode = set(decode)
         chunks = []
-        for rid in [r for r in self.running if not self.seqs[r].in_decode] + list(self.waiting):
+        for rid in [r for r in self.running if r not in in_decode] + list(self.waiting):
             if budget <= 0 or (rid in self.waiting and len(self.running) >= self.max_num_seqs):
                 break
             chunk = self._prefill_chunk(self.seqs[rid], budget, free)

@@ -57,17 +57,18 @@ class KVPoolActor(Actor):
             needs.append((rid, s.starts[row] + len(s.chunk_ids[row]) + extra))
         return needs
 
-    def _fits(self, needs: list[tuple[int, int]]) -> bool:
-        return sum(self.alloc.blocks_needed(r, n) for r, n in needs) <= self.alloc.num_free
-
     def _reserve(self, gamma: int) -> BlocksReserved:
         """Reserve the step's slots; lower γ for the whole step when blocks run short."""
-        needs = self._needs(gamma)
-        while gamma > 0 and not self._fits(needs):
-            gamma -= 1
+        needed = self.alloc.blocks_needed
+        while True:
             needs = self._needs(gamma)
-        for rid, n in needs:
-            self.alloc.reserve(rid, n)
+            extra = [needed(r, n) for r, n in needs]
+            if gamma == 0 or sum(extra) <= self.alloc.num_free:
+                break
+            gamma -= 1
+        for (rid, n), e in zip(needs, extra):
+            if e or not self.alloc.has_seq(rid):
+                self.alloc.reserve(rid, n)
         s = self.sched
         return BlocksReserved(step=s.step, gamma=gamma,
                               block_tables=tuple(self.alloc.block_table(r) for r in s.req_ids),
@@ -75,13 +76,7 @@ class KVPoolActor(Actor):
 
     def _commit(self, msg: TokensCommitted) -> None:
         for rid, n in zip(msg.req_ids, msg.num_computed):
-            if not self.alloc.has_seq(rid):
-                continue
-            cur = self.alloc.num_committed(rid)
-            if n > cur:
-                self.alloc.commit(rid, n)
-            elif n < cur:
-                self.alloc.rollback(rid, n)
+            self.alloc.set_committed(rid, n)
 
     def _grow(self, n: int) -> PoolResized:
         """A new segment: no copy of the existing cache."""

@@ -139,6 +139,8 @@ class BlockAllocator:
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Grow ``seq_id``'s table to cover ``num_tokens`` slots; all-or-nothing."""
         need = self.blocks_needed(seq_id, num_tokens)
+        if need == 0 and seq_id in self._seqs:
+            return
         if need > self._num_free:
             raise KVPoolError(
                 f"seq {seq_id!r}: need {need} blocks for {num_tokens} tokens, only {self._num_free} free")
@@ -164,6 +166,15 @@ class BlockAllocator:
         if not 0 <= num_tokens <= seq.committed:
             raise KVPoolError(
                 f"seq {seq_id!r}: rollback to {num_tokens} outside [0, {seq.committed}]")
+        seq.committed = num_tokens
+
+    def set_committed(self, seq_id: int, num_tokens: int) -> None:
+        """``commit`` forward or ``rollback`` to ``num_tokens``; a no-op for an unknown (finished) seq."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or num_tokens == seq.committed:
+            return
+        if not 0 <= num_tokens <= len(seq.table) * self._bs:
+            raise KVPoolError(f"seq {seq_id!r}: commit {num_tokens} outside [0, {len(seq.table) * self._bs}]")
         seq.committed = num_tokens
 
     def num_committed(self, seq_id: int) -> int:
