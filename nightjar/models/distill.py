@@ -21,6 +21,7 @@ from nightjar.data import load_prompts
 from nightjar.models import DEFAULT_DRAFT_DIR, LlamaModel, build_layout, load_model
 from nightjar.models.config import ModelConfig
 from nightjar.models.llama import apply_rope
+from nightjar.sampling import SamplingParams
 from nightjar.kvpool.cache import KVCache
 
 TOPK = 16
@@ -35,35 +36,57 @@ def draft_config(target: ModelConfig, hidden=256, layers=3, inter=1024, heads=4,
 
 
 # ---- 1. corpus -----------------------------------------------------------------------------------
-async def _answers(engine, prompts, params_list):
-    from nightjar.sampling import SamplingParams  # noqa: F401
+def corpus_jobs(templated: int, samples: int, seed: int) -> list[tuple[dict, str]]:
+    """(prompt, variant) pairs: a greedy answer to every training prompt (hand-written + templated) and
+    ``samples`` sampled answers (variants ``s<seed+i>``) to each hand-written one."""
+    from nightjar.data.templated import templated_prompts
 
-    done, t0 = [0], time.time()
+    hand = load_prompts(split="train")
+    jobs = [(p, "greedy") for p in hand + templated_prompts(templated, seed)]
+    return jobs + [(p, f"s{seed + i}") for i in range(samples) for p in hand]
 
-    async def one(p, sp):
+
+def _params(variant: str) -> SamplingParams:
+    if variant == "greedy":
+        return SamplingParams(max_tokens=128)
+    return SamplingParams(max_tokens=128, temperature=0.7, top_p=0.95, seed=int(variant[1:]))
+
+
+async def _answers(engine, jobs):
+    async def one(p, variant):
         ids = engine.encode([{"role": "user", "content": p["prompt"]}])
         out = []
-        async for o in engine.generate(ids, sp):
+        async for o in engine.generate(ids, _params(variant)):
             out += o.token_ids
-        done[0] += 1
-        if done[0] % 100 == 0:
-            print(f"[distill] corpus {done[0]}/{len(prompts) * len(params_list)} answers, "
-                  f"{time.time() - t0:.0f}s", flush=True)
-        return {"id": p["id"], "prompt_ids": ids, "answer_ids": out}
-    return await asyncio.gather(*[one(p, sp) for p in prompts for sp in params_list])
+        return {"id": p["id"], "variant": variant, "prompt_ids": ids, "answer_ids": out}
+    return await asyncio.gather(*[one(p, v) for p, v in jobs])
 
 
-def make_corpus(target, prompts, samples: int, seed: int) -> list[dict]:
+def build_corpus(target, jobs, path: Path, log=print, chunk: int = 512) -> list[dict]:
+    """Answers + teacher top-k for every job, appended to ``path`` chunk by chunk: a stopped run resumes
+    where it left off (jobs already in the file are skipped)."""
     from nightjar.engine import Engine
-    from nightjar.sampling import SamplingParams
+
+    have = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    done = {(r["id"], r["variant"]) for r in have}
+    todo = [j for j in jobs if (j[0]["id"], j[1]) not in done]
+    log(f"corpus: {len(have)} answers on disk, {len(todo)} to generate")
 
     async def main():
-        params = [SamplingParams(max_tokens=128)]
-        params += [SamplingParams(max_tokens=128, temperature=0.7, top_p=0.95, seed=seed + i) for i in range(samples)]
-        async with Engine(policy="off", draft=None, loaded=(target, None), max_num_seqs=48,
-                          max_num_batched_tokens=1024, max_queue=100000) as eng:
-            return await _answers(eng, prompts, params)
-    return asyncio.run(main())
+        async with Engine(policy="off", draft=None, loaded=(target, None), max_num_seqs=128,
+                          max_num_batched_tokens=2048, max_queue=100000) as eng:
+            for i in range(0, len(todo), chunk):
+                t0 = time.time()
+                recs = await _answers(eng, todo[i: i + chunk])
+                teacher_topk(target, recs)
+                with path.open("a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in recs))
+                have.extend(recs)
+                log(f"corpus: {len(have)}/{len(done) + len(todo)} answers "
+                    f"({sum(len(r['answer_ids']) for r in recs)} tokens in {time.time() - t0:.0f}s)")
+    if todo:
+        asyncio.run(main())
+    return have
 
 
 # ---- 2. teacher ----------------------------------------------------------------------------------
@@ -195,14 +218,14 @@ def validation_loss(model, val, max_len: int = 384, batch: int = 16) -> float:
 
 def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=384, seed=0, log=print,
           freeze_embeddings: bool = True, eval_every: int = 100, max_steps: int | None = None,
-          validate: bool = True):
+          validate: bool = True, embed_lr_mult: float = 1.0):
     """AdamW with warm-up and cosine decay over a time budget; keeps the weights with the best loss on a
     validation split of the training prompts. The embeddings (a PCA of the target's, tied to the LM head)
-    stay frozen by default: with ~100k answer tokens, training them overfits."""
+    stay frozen by default here; the command line trains them slowly (see ``_param_groups``)."""
     corpus, val = split_validation(corpus) if validate and len(corpus) >= 40 else (corpus, [])
     model.embed_tokens.weight.requires_grad_(not freeze_embeddings)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(_param_groups(model, embed_lr_mult), lr=lr, betas=(0.9, 0.98))
     ckpt = out / "checkpoint.pt"
     state = {"step": 0, "epoch": 0, "elapsed": 0.0, "losses": [], "val": [], "best_val": float("inf")}
     best = None
@@ -218,7 +241,7 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
             ids, tid, tlp, mask = collate(recs, max_len)
             frac = min(1.0, (time.time() - t_start) / (minutes * 60))
             for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+                g["lr"] = g["lr_mult"] * lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             with torch.autocast("cpu", dtype=torch.bfloat16):      # AMX matmuls; loss in fp32
                 logits = dense_forward(model, ids, mask)
             loss = kd_loss(logits, tid, tlp, mask)
@@ -246,6 +269,19 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
     state["elapsed"] = time.time() - t_start
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
     return state
+
+
+def _param_groups(model: LlamaModel, embed_lr_mult: float) -> list[dict]:
+    """Matrices decay; norms do not; the tied embeddings neither decay (rows of tokens the corpus never
+    shows would shrink towards zero) nor move at full speed (they start from the target's PCA)."""
+    emb = model.embed_tokens.weight
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad and p.dim() > 1 and p is not emb],
+               "weight_decay": 0.01, "lr_mult": 1.0},
+              {"params": [p for p in model.parameters() if p.requires_grad and p.dim() == 1],
+               "weight_decay": 0.0, "lr_mult": 1.0}]
+    if emb.requires_grad:
+        groups.append({"params": [emb], "weight_decay": 0.0, "lr_mult": embed_lr_mult})
+    return [g for g in groups if g["params"]]
 
 
 def _select(model, val, state, best, log):
@@ -277,31 +313,30 @@ def main(argv=None) -> None:
     ap.add_argument("--ship", default=str(DEFAULT_DRAFT_DIR), help="where the finished draft is saved")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
-    ap.add_argument("--samples", type=int, default=2, help="sampled answers per prompt besides greedy")
+    ap.add_argument("--samples", type=int, default=1,
+                    help="sampled answers per hand-written prompt besides the greedy one")
+    ap.add_argument("--templated", type=int, default=2500,
+                    help="templated training prompts (nightjar/data/templated.py) answered greedily")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    ap.add_argument("--no-freeze-embeddings", dest="freeze", action="store_false",
-                    help="train the (PCA-initialised) embeddings too; overfits the small corpus sooner")
+    ap.add_argument("--freeze-embeddings", dest="freeze", action="store_true",
+                    help="keep the PCA-initialised embeddings fixed (default: train them at --embed-lr-mult)")
     ap.add_argument("--no-validation", dest="validate", action="store_false",
                     help="train on every training prompt (no validation split, keep the last weights)")
+    ap.add_argument("--embed-lr-mult", type=float, default=0.3,
+                    help="learning-rate multiplier of the embeddings when they are trained")
+    ap.add_argument("--corpus-only", action="store_true", help="build (or finish) the corpus, then stop")
     a = ap.parse_args(argv)
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(f"[distill {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731
     target = load_model(a.model, "bfloat16")
-    corpus_path = out / "corpus.jsonl"
-    if not corpus_path.exists():
-        t0 = time.time()
-        corpus = make_corpus(target, load_prompts(split="train"), a.samples, a.seed)
-        log(f"corpus: {len(corpus)} answers, {sum(len(r['answer_ids']) for r in corpus)} tokens, {time.time() - t0:.0f}s")
-        t0 = time.time()
-        teacher_topk(target, corpus)
-        log(f"teacher top-{TOPK}: {time.time() - t0:.0f}s")
-        corpus_path.write_text("\n".join(json.dumps(r) for r in corpus))
-    corpus = [json.loads(line) for line in corpus_path.read_text().splitlines()]
+    corpus = build_corpus(target, corpus_jobs(a.templated, a.samples, a.seed), out / "corpus.jsonl", log)
+    if a.corpus_only:
+        return
     cfg = draft_config(target.config)
     model = init_draft(cfg, target.model, a.seed)
     state = train(model, corpus, a.minutes, out, seed=a.seed, log=log, freeze_embeddings=a.freeze,
-                  max_steps=a.max_steps, validate=a.validate)
+                  max_steps=a.max_steps, validate=a.validate, embed_lr_mult=a.embed_lr_mult)
     card = model_card(cfg, corpus, state, a)
     save_draft(model, Path(a.ship), card)
     log(f"saved draft to {a.ship} after {state['step']} steps, final loss {sum(state['losses'][-50:]) / 50:.4f}")
@@ -315,13 +350,15 @@ A draft model for speculative decoding with SmolLM2-135M-Instruct, distilled by 
 
 - Shape: Llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads ({cfg.num_kv_heads} KV),
   MLP {cfg.intermediate_size}, tied embeddings, vocabulary {cfg.vocab_size} (the target's tokenizer).
-- Data: the target's own answers to the {len({r['id'] for r in corpus})} training prompts of
-  `nightjar/data/prompts.jsonl` (greedy + {a.samples} sampled answers each; {len(corpus)} answers,
-  {n_tok} answer tokens); the held-out split was never seen.
+- Data: the target's own answers (up to 128 tokens) to {len({r['id'] for r in corpus})} training prompts: greedy answers
+  to the {_count(corpus, 'greedy', hand=True)} hand-written training prompts of `nightjar/data/prompts.jsonl` and to
+  {_count(corpus, 'greedy', hand=False)} templated ones (`nightjar/data/templated.py`), plus {a.samples} sampled answer(s)
+  (T 0.7, top-p 0.95) per hand-written prompt: {len(corpus)} answers, {n_tok} answer tokens. The held-out
+  split was never seen.
 - Objective: KL to the target's renormalised top-{TOPK} next-token distribution + 0.2 × CE on its argmax.
   Embeddings initialised from a PCA of the target's embedding matrix.
 - Training: {state['step']} steps of AdamW (batch 16, lr 2e-3 with a cosine over {a.minutes:g} min, weight decay
-  0.01, embeddings {'frozen' if a.freeze else 'trained'}), {state['elapsed'] / 60:.1f} min on 2 CPU cores; final training
+  0.01, embeddings {'frozen' if a.freeze else f'trained at {a.embed_lr_mult:g}× lr without decay'}), {state['elapsed'] / 60:.1f} min on 2 CPU cores; final training
   loss {sum(state['losses'][-50:]) / max(1, len(state['losses'][-50:])):.3f}; {_selection(state, a)}.
 - Reproduce: `python -m nightjar.models.distill {_flags(a)}` (the learning-rate schedule follows
   wall time, so another machine lands near, not on, these weights).
@@ -329,6 +366,10 @@ A draft model for speculative decoding with SmolLM2-135M-Instruct, distilled by 
 ## Measured acceptance
 See the section appended by `bench/acceptance.py --write-card`.
 """
+
+
+def _count(corpus, variant: str, hand: bool) -> int:
+    return sum(1 for r in corpus if r["variant"] == variant and r["id"].startswith("tpl-") != hand)
 
 
 def _selection(state, a) -> str:
@@ -339,8 +380,8 @@ def _selection(state, a) -> str:
 
 
 def _flags(a) -> str:
-    flags = [f"--minutes {a.minutes:g}", f"--samples {a.samples}", f"--seed {a.seed}"]
-    flags += ["--no-freeze-embeddings"] if not a.freeze else []
+    flags = [f"--minutes {a.minutes:g}", f"--samples {a.samples}", f"--templated {a.templated}", f"--seed {a.seed}"]
+    flags += ["--freeze-embeddings"] if a.freeze else [f"--embed-lr-mult {a.embed_lr_mult:g}"]
     flags += ["--no-validation"] if not a.validate else []
     flags += [f"--max-steps {a.max_steps}"] if a.max_steps else []
     return " ".join(flags)

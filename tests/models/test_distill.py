@@ -41,3 +41,33 @@ def test_a_short_training_run_lowers_the_loss_and_saves_a_transformers_loadable_
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["hidden_size"] == 16
     ours = load_weights(tmp_path / "draft", torch.float32)
     assert torch.equal(ours.embed_tokens.weight, draft.embed_tokens.weight.to(torch.bfloat16).float())
+
+
+def test_the_corpus_builds_in_chunks_and_a_rerun_resumes_without_regenerating(tiny_pair, tmp_path, monkeypatch):
+    from nightjar.models import distill
+
+    target, _ = tiny_pair
+    jobs = [({"id": f"p{i}", "prompt": f"Say {i}."}, v) for i in range(3) for v in ("greedy", "s7")]
+    path = tmp_path / "corpus.jsonl"
+    monkeypatch.setattr(distill, "_params", lambda v: distill.SamplingParams(max_tokens=4, ignore_eos=True,
+                        temperature=0.0 if v == "greedy" else 0.8, seed=7))
+    first = distill.build_corpus(target, jobs[:4], path, log=lambda s: None, chunk=3)
+    assert [(r["id"], r["variant"]) for r in first] == [(p["id"], v) for p, v in jobs[:4]]
+    assert all(len(r["answer_ids"]) == 4 == len(r["topk_ids"]) for r in first)
+    lines = path.read_text().splitlines()
+    generated = []
+    real = distill._answers
+    monkeypatch.setattr(distill, "_answers", lambda eng, todo: generated.extend(todo) or real(eng, todo))
+    again = distill.build_corpus(target, jobs, path, log=lambda s: None, chunk=3)
+    assert generated == jobs[4:]                                  # only the missing jobs ran
+    assert path.read_text().splitlines()[:4] == lines and len(again) == 6
+
+
+def test_templated_prompts_are_distinct_training_prompts():
+    from nightjar.data import load_prompts
+    from nightjar.data.templated import templated_prompts
+
+    recs = templated_prompts(3000, seed=0)
+    assert len({r["prompt"] for r in recs}) == 3000 and {r["split"] for r in recs} == {"train"}
+    assert recs == templated_prompts(3000, seed=0)
+    assert not {r["prompt"] for r in recs} & {r["prompt"] for r in load_prompts(split="heldout")}
