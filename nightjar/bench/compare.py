@@ -40,8 +40,10 @@ def rotation(policies: list[str], rep: int) -> list[str]:
 def _run_summary(res: dict[str, Any]) -> dict[str, Any]:
     s = {k: res.get(src) for k, (src, _) in KEYS.items()}
     spec = (res.get("server") or {}).get("spec_decode") or {}
+    load = (res.get("server") or {}).get("load") or {}
     s.update(completed=res.get("completed"), failed=res.get("failed"), duration_s=res.get("duration_s"),
-             acceptance_rate=spec.get("acceptance_rate"), mean_gamma=spec.get("mean_gamma"))
+             acceptance_rate=spec.get("acceptance_rate"), mean_gamma=spec.get("mean_gamma"),
+             max_running=load.get("max_running"), max_kv_blocks_total=load.get("max_kv_blocks_total"))
     return s
 
 
@@ -122,6 +124,8 @@ def run_compare(opts: BenchOptions, policies: list[str], launcher: Launcher, *, 
         s = {k: _spread([r.get(k) for r in ok])["median"] for k in KEYS}
         s.update(acceptance_rate=_spread([r.get("acceptance_rate") for r in ok])["median"],
                  mean_gamma=_spread([r.get("mean_gamma") for r in ok])["median"],
+                 max_running=_spread([r.get("max_running") for r in ok])["median"],
+                 max_kv_blocks_total=_spread([r.get("max_kv_blocks_total") for r in ok])["median"],
                  spread={k: _spread([r.get(k) for r in ok]) for k in RATIO_KEYS},
                  num_ok=len(ok), runs=runs[p])
         summary[p] = s
@@ -142,8 +146,9 @@ def _r(v: dict | None) -> str:
 def markdown_compare(summary: dict[str, Any]) -> str:
     pols = summary["policies"]
     lines = [f"## Policy comparison ({summary['repeats']} repetition(s), medians; spread min–max)", "",
-             "| policy | ok runs | output tok/s | mean TTFT (ms) | mean E2E (ms) | mean TPOT (ms) | acceptance | mean γ |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| policy | ok runs | output tok/s | mean TTFT (ms) | mean E2E (ms) | mean TPOT (ms) | acceptance | mean γ "
+             "| max batch | max KV blocks |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(p, k, nd):
         sp = pols[p]["spread"].get(k) if k in pols[p]["spread"] else None
@@ -157,8 +162,11 @@ def markdown_compare(summary: dict[str, Any]) -> str:
         acc = "-" if s.get("acceptance_rate") is None else f"{s['acceptance_rate']:.3f}"
         g = "-" if s.get("mean_gamma") is None else f"{s['mean_gamma']:.2f}"
         tpot = "-" if s.get("mean_tpot_ms") is None else f"{s['mean_tpot_ms']:.1f}"
+        peak = "-" if s.get("max_running") is None else f"{s['max_running']:.0f}"
+        blocks = "-" if s.get("max_kv_blocks_total") is None else f"{s['max_kv_blocks_total']:.0f}"
         lines.append(f"| {p} | {s['num_ok']}/{len(s['runs'])} | {cell(p, 'output_throughput', 1)} | "
-                     f"{cell(p, 'mean_ttft_ms', 0)} | {cell(p, 'mean_e2e_ms', 0)} | {tpot} | {acc} | {g} |")
+                     f"{cell(p, 'mean_ttft_ms', 0)} | {cell(p, 'mean_e2e_ms', 0)} | {tpot} | {acc} | {g} "
+                     f"| {peak} | {blocks} |")
     rat = summary["ratios"]
     for name, title in (("vs_off", "Ratio to off"), ("vs_best_fixed", "Ratio to the best fixed γ")):
         if name not in rat:

@@ -268,6 +268,18 @@ def spec_summary(first: Sample | None, last: Sample | None) -> dict[str, Any] | 
     return out
 
 
+def load_summary(samples: list[Sample]) -> dict[str, float | None]:
+    """Batch and pool gauges over every scrape: the peak and mean number of running requests (the batch
+    size) and the largest KV pool seen (it grows when the draft is offloaded)."""
+    def series(key):
+        return [s.values[key] for s in samples if key in s.values]
+    running, total = series("running"), series("kv_total")
+    return {"max_running": max(running) if running else None,
+            "mean_running": float(np.mean(running)) if running else None,
+            "max_kv_blocks_total": max(total) if total else None,
+            "min_kv_blocks_total": min(total) if total else None}
+
+
 def build_timeline(results: list[RequestResult], samples: list[Sample], duration_s: float, interval_s: float,
                    phase_bounds: list[float] | None = None) -> dict[str, Any]:
     """Per-interval series over ``[0, duration_s)``.

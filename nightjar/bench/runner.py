@@ -17,7 +17,7 @@ import numpy as np
 from nightjar.bench import arrivals as arr
 from nightjar.bench.client import ClientConfig, run_load
 from nightjar.bench.datasets import BenchRequest, build_requests, load_tokenizer
-from nightjar.bench.metrics import METRICS, build_timeline, compute_metrics, spec_summary
+from nightjar.bench.metrics import METRICS, build_timeline, compute_metrics, load_summary, spec_summary
 from nightjar.bench.report import machine_info
 
 SCHEMA = "nightjar.bench/1"
@@ -175,6 +175,7 @@ def assemble(opts: BenchOptions, prep: Prepared, out, base_url: str, *, title: s
         "dataset": prep.dataset, "arrivals": prep.plan.info,
         "server": {"spec_decode": spec_summary(out.samples[0] if out.samples else None,
                                                out.samples[-1] if out.samples else None),
+                   "load": load_summary(out.samples),
                    "num_scrapes": len(out.samples), "scrape_errors": out.scrape_errors},
         "timeline": timeline,
         "per_phase": _phase_table(out.results, prep.plan, timeline),

@@ -131,3 +131,13 @@ def test_timeline_and_spec_summary():
     sp = spec_summary(s0, s2)
     assert sp["acceptance_rate"] == pytest.approx(0.55) and sp["mean_acceptance_length"] == pytest.approx(1 + 55 / 35)
     assert sp["mean_gamma"] == pytest.approx(2.0)
+
+
+def test_load_summary_takes_peak_and_mean_batch_and_the_largest_pool():
+    from nightjar.bench.metrics import Sample, load_summary
+
+    samples = [Sample(0.0, {"running": 2, "kv_total": 700}), Sample(1.0, {"running": 9}),
+               Sample(2.0, {"running": 4, "kv_total": 760}), Sample(3.0, {})]
+    assert load_summary(samples) == {"max_running": 9, "mean_running": 5.0, "max_kv_blocks_total": 760,
+                                     "min_kv_blocks_total": 700}
+    assert load_summary([])["max_running"] is None
