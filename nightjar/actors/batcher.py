@@ -135,11 +135,7 @@ class Batcher(Actor):
             if seq is None:
                 continue
             self._advance_counters(seq, sched, row, msg.accepted[row], msg.gamma)
-            sp, n = seq.sampling, len(seq.tokens)
-            if len(new) < min(sp.max_tokens + seq.num_prompt, self.max_model_len) - n and seq.stop_ids.isdisjoint(new):
-                kept, reason = new, FinishReason.NONE                      # the common case: no stop
-            else:
-                kept, reason = self._apply_stops(seq, new)
+            kept, reason = self._apply_stops(seq, new)
             seq.tokens.extend(kept)
             if self.aborts and rid in self.aborts:
                 kept, reason = (), self.aborts.pop(rid)
@@ -166,6 +162,8 @@ class Batcher(Actor):
     def _apply_stops(self, seq: Seq, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason]:
         sp, done = seq.sampling, seq.num_output
         room = min(sp.max_tokens - done, self.max_model_len - len(seq.tokens))     # tokens still allowed
+        if len(new) < room and seq.stop_ids.isdisjoint(new):
+            return new, FinishReason.NONE                                          # the common case
         for i, tok in enumerate(new):
             if tok in seq.stop_ids and done + i + 1 > sp.min_tokens:
                 return new[: i + 1], FinishReason.STOP

@@ -139,8 +139,6 @@ class BlockAllocator:
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Grow ``seq_id``'s table to cover ``num_tokens`` slots; all-or-nothing."""
         need = self.blocks_needed(seq_id, num_tokens)
-        if need == 0 and seq_id in self._seqs:
-            return
         if need > self._num_free:
             raise KVPoolError(
                 f"seq {seq_id!r}: need {need} blocks for {num_tokens} tokens, only {self._num_free} free")

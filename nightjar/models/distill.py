@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from nightjar.data import load_prompts
+from nightjar.data.templated import templated_prompts
 from nightjar.models import DEFAULT_DRAFT_DIR, LlamaModel, build_layout, load_model
 from nightjar.models.config import ModelConfig
 from nightjar.models.llama import apply_rope
@@ -39,8 +40,6 @@ def draft_config(target: ModelConfig, hidden=256, layers=3, inter=1024, heads=4,
 def corpus_jobs(templated: int, samples: int, seed: int) -> list[tuple[dict, str]]:
     """(prompt, variant) pairs: a greedy answer to every training prompt (hand-written + templated) and
     ``samples`` sampled answers (variants ``s<seed+i>``) to each hand-written one."""
-    from nightjar.data.templated import templated_prompts
-
     hand = load_prompts(split="train")
     jobs = [(p, "greedy") for p in hand + templated_prompts(templated, seed)]
     return jobs + [(p, f"s{seed + i}") for i in range(samples) for p in hand]
@@ -234,9 +233,11 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
         model.load_state_dict(saved["model"]); opt.load_state_dict(saved["opt"]); state = saved["state"]
         log(f"resumed at step {state['step']}")
     gen = torch.Generator().manual_seed(seed)
-    est_steps = max(1, int(minutes * 60 / 1.0))
     t_start, last_ck = time.time() - state["elapsed"], time.time()
-    while time.time() - t_start < minutes * 60 and not (max_steps and state["step"] >= max_steps):
+
+    def finished() -> bool:
+        return time.time() - t_start >= minutes * 60 or bool(max_steps and state["step"] >= max_steps)
+    while not finished():
         for recs in make_batches(corpus, max_len, batch, gen):
             ids, tid, tlp, mask = collate(recs, max_len)
             frac = min(1.0, (time.time() - t_start) / (minutes * 60))
@@ -260,7 +261,7 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
                 state["elapsed"] = time.time() - t_start
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
                 last_ck = time.time()
-            if time.time() - t_start >= minutes * 60 or (max_steps and state["step"] >= max_steps):
+            if finished():
                 break
         state["epoch"] += 1
     if val:

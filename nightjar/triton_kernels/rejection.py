@@ -41,8 +41,12 @@ def _truncated_probs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     top_p = top_p.expand(x.shape[:-1])
     if candidates < V and x.numel() > 0:
         top_x, top_i = x.topk(candidates, dim=-1)                          # [..., C], descending
-        full = x.logsumexp(-1, keepdim=True)                               # [..., 1]
-        cut, covered = _prefix_mask(top_x, k, top_p, full, V)              # [..., C], [...]
+        # the norm (mass of all top-k entries) is exact when top-k ends inside C or there is no top-k
+        inside_k, no_k = k <= candidates, k >= V
+        kept_lse = _top_k_only(top_x, k).logsumexp(-1, keepdim=True)      # [..., 1]
+        norm = torch.where(inside_k.unsqueeze(-1), kept_lse, x.logsumexp(-1, keepdim=True))
+        cut, mass = _prefix_mask(top_x, k, top_p, norm)                    # [..., C], [...]
+        covered = inside_k | (no_k & (mass > top_p))                       # the prefix closed inside C
         out = torch.zeros_like(x).scatter_(-1, top_i, top_x.masked_fill(cut, float("-inf")).softmax(-1))
         if not bool(covered.all()):                                        # long tails: sort those rows
             out[~covered] = _sorted_probs(x[~covered], k[~covered], top_p[~covered])
@@ -52,32 +56,25 @@ def _truncated_probs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 def _sorted_probs(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_x, order = x.sort(dim=-1, descending=True)                      # [..., V]
-    cut, _ = _prefix_mask(sorted_x, k, top_p, None)
+    cut, _ = _prefix_mask(sorted_x, k, top_p, _top_k_only(sorted_x, k).logsumexp(-1, keepdim=True))
     return torch.empty_like(x).scatter_(-1, order, sorted_x.masked_fill(cut, float("-inf")).softmax(-1))
 
 
-def _prefix_mask(sorted_x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, full_lse: torch.Tensor | None,
-                 full_vocab: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which of the descending logits sorted_x [..., C] fall outside top-k/top-p, and whether the kept
-    prefix provably ends inside these C entries (always true when C is the whole vocabulary)."""
-    C = sorted_x.shape[-1]
-    ranks = torch.arange(C, device=sorted_x.device)
-    drop = ranks >= k.unsqueeze(-1)                                        # top-k
-    kept = sorted_x.masked_fill(drop, float("-inf"))
-    # mass of each kept entry relative to all top-k entries of the whole vocabulary
-    if full_lse is None:
-        norm = kept.logsumexp(-1, keepdim=True)
-        covered = torch.ones(sorted_x.shape[:-1], dtype=torch.bool, device=sorted_x.device)
-    else:   # exact norms: top-k inside C (sum the kept), or no top-k (the whole vocabulary's)
-        inside_k, no_k = k <= C, k >= full_vocab
-        norm = torch.where(inside_k.unsqueeze(-1), kept.logsumexp(-1, keepdim=True), full_lse)
-        covered = inside_k
+def _top_k_only(sorted_x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Descending logits [..., C] with the entries past each row's top-k set to -inf."""
+    ranks = torch.arange(sorted_x.shape[-1], device=sorted_x.device)
+    return sorted_x.masked_fill(ranks >= k.unsqueeze(-1), float("-inf"))
+
+
+def _prefix_mask(sorted_x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                 norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the descending logits sorted_x [..., C] fall outside top-k/top-p, given the log of the
+    top-k mass ``norm`` [..., 1]; also the top-k mass these C entries hold [...]."""
+    kept = _top_k_only(sorted_x, k)
     probs = (kept - norm).exp()
-    cum = probs.cumsum(-1) - probs                                         # mass before each entry
-    drop = drop | (cum > top_p.unsqueeze(-1))                              # top-p (keeps >= 1 token)
-    if full_lse is not None:                                               # or the prefix closed inside C
-        covered = covered | (no_k & (cum[..., -1] + probs[..., -1] > top_p))
-    return drop, covered
+    cum = probs.cumsum(-1)                                                 # mass up to each entry
+    drop = (kept == float("-inf")) | (cum - probs > top_p.unsqueeze(-1))   # top-k, top-p (keeps >= 1)
+    return drop, cum[..., -1]
 
 
 def sample_from(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
