@@ -8,6 +8,10 @@ were written by hand for Nightjar. Each record is a dict with the keys
     >>> from nightjar.data import load_prompts
     >>> bench = load_prompts(split="heldout")
     >>> code = load_prompts(category="code")
+
+``prompts_extra.jsonl`` holds more hand-written prompts of the same shape for draft training only
+(every record ``split: "train"``); :func:`training_prompts` returns them after the train split above.
+Benchmarks use :func:`load_prompts`, whose held-out split they never touch.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 from functools import lru_cache
 from importlib import resources
 
-__all__ = ["CATEGORIES", "SPLITS", "PROMPT_FILES", "load_prompts"]
+__all__ = ["CATEGORIES", "SPLITS", "PROMPT_FILES", "EXTRA_TRAIN_FILE", "load_prompts", "training_prompts"]
 
 CATEGORIES: tuple[str, ...] = (
     "chat",
@@ -30,13 +34,14 @@ CATEGORIES: tuple[str, ...] = (
 )
 SPLITS: tuple[str, ...] = ("train", "heldout")
 PROMPT_FILES: tuple[str, ...] = ("prompts.jsonl",)
+EXTRA_TRAIN_FILE = "prompts_extra.jsonl"
 
 
 @lru_cache(maxsize=None)
-def _load_all() -> tuple[dict, ...]:
+def _load_all(names: tuple[str, ...] = PROMPT_FILES) -> tuple[dict, ...]:
     rows: list[dict] = []
     pkg = resources.files(__name__)
-    for name in PROMPT_FILES:
+    for name in names:
         text = pkg.joinpath(name).read_text(encoding="utf-8")
         for lineno, line in enumerate(text.splitlines(), 1):
             line = line.strip()
@@ -65,3 +70,13 @@ def load_prompts(split: str | None = None, category: str | None = None) -> list[
         if (split is None or r["split"] == split)
         and (category is None or r["category"] == category)
     ]
+
+
+def training_prompts() -> list[dict]:
+    """Every hand-written prompt draft training may use: the train split of :func:`load_prompts`, then
+    the training-only extra collection (fresh dict copies)."""
+    extra = [dict(r) for r in _load_all((EXTRA_TRAIN_FILE,))]
+    bad = [r["id"] for r in extra if r["split"] != "train"]
+    if bad:  # pragma: no cover - data bug
+        raise ValueError(f"{EXTRA_TRAIN_FILE}: records outside the train split: {bad[:5]}")
+    return load_prompts(split="train") + extra

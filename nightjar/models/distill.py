@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nightjar.data import load_prompts
+from nightjar.data import training_prompts
 from nightjar.data.templated import templated_prompts
 from nightjar.models import DEFAULT_DRAFT_DIR, LlamaModel, build_layout, load_model
 from nightjar.models.config import ModelConfig
@@ -40,7 +40,7 @@ def draft_config(target: ModelConfig, hidden=256, layers=3, inter=1024, heads=4,
 def corpus_jobs(templated: int, samples: int, seed: int) -> list[tuple[dict, str]]:
     """(prompt, variant) pairs: a greedy answer to every training prompt (hand-written + templated) and
     ``samples`` sampled answers (variants ``s<seed+i>``) to each hand-written one."""
-    hand = load_prompts(split="train")
+    hand = training_prompts()
     jobs = [(p, "greedy") for p in hand + templated_prompts(templated, seed)]
     return jobs + [(p, f"s{seed + i}") for i in range(samples) for p in hand]
 
@@ -352,7 +352,7 @@ A draft model for speculative decoding with SmolLM2-135M-Instruct, distilled by 
 - Shape: Llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads ({cfg.num_kv_heads} KV),
   MLP {cfg.intermediate_size}, tied embeddings, vocabulary {cfg.vocab_size} (the target's tokenizer).
 - Data: the target's own answers (up to 128 tokens) to {len({r['id'] for r in corpus})} training prompts: greedy answers
-  to the {_count(corpus, 'greedy', hand=True)} hand-written training prompts of `nightjar/data/prompts.jsonl` and to
+  to the {_count(corpus, 'greedy', hand=True)} hand-written training prompts (`nightjar/data/prompts.jsonl` train split + `prompts_extra.jsonl`) and to
   {_count(corpus, 'greedy', hand=False)} templated ones (`nightjar/data/templated.py`), plus {a.samples} sampled answer(s)
   (T 0.7, top-p 0.95) per hand-written prompt: {len(corpus)} answers, {n_tok} answer tokens. The held-out
   split was never seen.

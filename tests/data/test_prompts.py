@@ -112,3 +112,27 @@ def test_load_prompts_returns_copies():
 def test_load_prompts_rejects_unknown(kwargs):
     with pytest.raises(ValueError):
         load_prompts(**kwargs)
+
+
+def test_training_prompts_add_an_extra_train_only_collection(rows):
+    from difflib import SequenceMatcher
+
+    from nightjar.data import training_prompts
+
+    train = training_prompts()
+    extra = train[len(load_prompts(split="train")):]
+    assert len(extra) >= 400 and all(r["split"] == "train" for r in extra)
+    for r in extra:
+        assert set(r) == REQUIRED_KEYS and r["category"] in CATEGORIES and r["id"].startswith(r["category"] + "-")
+        assert r["prompt"].strip() == r["prompt"] and 16 <= r["max_tokens"] <= 512
+    assert len({r["id"] for r in rows + extra}) == len(rows) + len(extra)
+    assert len({r["prompt"] for r in rows + extra}) == len(rows) + len(extra)
+    assert min(Counter(r["category"] for r in extra).values()) >= 40
+    # Benchmarks score the held-out split: no extra prompt may be a near copy of one.
+    norm = lambda s: " ".join(s.lower().split())  # noqa: E731
+    held = [norm(r["prompt"]) for r in rows if r["split"] == "heldout"]
+    for r in extra:
+        p = norm(r["prompt"])
+        close = [h for h in held if SequenceMatcher(None, p, h).quick_ratio() > 0.8
+                 and SequenceMatcher(None, p, h).ratio() > 0.8]
+        assert not close, (r["id"], close)
