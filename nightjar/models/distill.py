@@ -215,6 +215,22 @@ def validation_loss(model, val, max_len: int = 384, batch: int = 16) -> float:
     return sum(losses) / max(1, len(losses))
 
 
+@torch.no_grad()
+def top1_agreement(model, recs, max_len: int = 384, batch: int = 16) -> dict[str, float]:
+    """Teacher-forced share of answer positions where the draft's argmax is the target's, for
+    hand-written prompts and templated ones apart (what greedy acceptance at position 1 tracks)."""
+    hits = {"hand-written": [0, 0], "templated": [0, 0]}
+    for i in range(0, len(recs), batch):
+        group = recs[i: i + batch]
+        ids, tid, tlp, mask = collate(group, max_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            same = dense_forward(model, ids, mask).argmax(-1) == tid[mask][:, 0]         # [M]
+        src = torch.tensor([r["id"].startswith("tpl-") for r in group])[:, None].expand_as(mask)[mask]
+        for key, sel in (("hand-written", ~src), ("templated", src)):
+            hits[key][0] += int(same[sel].sum()); hits[key][1] += int(sel.sum())
+    return {k: round(h / n, 4) for k, (h, n) in hits.items() if n}
+
+
 def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=384, seed=0, log=print,
           freeze_embeddings: bool = True, eval_every: int = 100, max_steps: int | None = None,
           validate: bool = True, embed_lr_mult: float = 1.0):
@@ -267,6 +283,8 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
     if val:
         best = _select(model, val, state, best, log)
         model.load_state_dict(best)
+        state["val_top1"] = top1_agreement(model, val)
+        log(f"teacher-forced top-1 agreement on the validation split: {state['val_top1']}")
     state["elapsed"] = time.time() - t_start
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
     return state
@@ -361,7 +379,7 @@ A draft model for speculative decoding with SmolLM2-135M-Instruct, distilled by 
 - Training: {state['step']} steps of AdamW (batch 16, lr 2e-3 with a cosine over {a.minutes:g} min, weight decay
   0.01, embeddings {'frozen' if a.freeze else f'trained at {a.embed_lr_mult:g}× lr without decay'}), {state['elapsed'] / 60:.1f} min on 2 CPU cores; final training
   loss {sum(state['losses'][-50:]) / max(1, len(state['losses'][-50:])):.3f}; {_selection(state, a)}.
-- Reproduce: `python -m nightjar.models.distill {_flags(a)}` (the learning-rate schedule follows
+{_agreement(state)}- Reproduce: `python -m nightjar.models.distill {_flags(a)}` (the learning-rate schedule follows
   wall time, so another machine lands near, not on, these weights).
 
 ## Measured acceptance
@@ -378,6 +396,13 @@ def _selection(state, a) -> str:
         return "shipped the last weights (no validation split)"
     return (f"shipped the weights of step {state.get('best_step')} (best loss {state.get('best_val', float('nan')):.3f} "
             "on a validation split of 1/20 of the training prompts)")
+
+
+def _agreement(state) -> str:
+    if not state.get("val_top1"):
+        return ""
+    parts = ", ".join(f"{v:.2f} on {k} prompts" for k, v in state["val_top1"].items())
+    return f"- Teacher-forced top-1 agreement with the target on the validation answers: {parts}.\n"
 
 
 def _flags(a) -> str:

@@ -71,3 +71,17 @@ def test_templated_prompts_are_distinct_training_prompts():
     assert len({r["prompt"] for r in recs}) == 3000 and {r["split"] for r in recs} == {"train"}
     assert recs == templated_prompts(3000, seed=0)
     assert not {r["prompt"] for r in recs} & {r["prompt"] for r in load_prompts(split="heldout")}
+
+
+def test_top1_agreement_is_one_for_the_teacher_itself_and_split_by_source():
+    from nightjar.models.distill import top1_agreement
+
+    target = random_model(tiny_config(vocab=100, hidden=32), seed=0)
+    corpus = tiny_corpus(target)
+    for r in corpus[:3]:
+        r["id"] = "tpl-" + r["id"]
+    same = top1_agreement(target, corpus, batch=3)      # bf16 autocast: near-ties of a random model may flip
+    assert set(same) == {"hand-written", "templated"} and all(v > 0.9 for v in same.values())
+    other = random_model(tiny_config(vocab=100, hidden=32), seed=1)
+    got = top1_agreement(other, corpus)
+    assert all(0 <= v < 0.5 for v in got.values())
