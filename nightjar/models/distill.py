@@ -331,8 +331,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=".distill", help="work dir (corpus, checkpoints)")
     ap.add_argument("--ship", default=str(DEFAULT_DRAFT_DIR), help="where the finished draft is saved")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
-    ap.add_argument("--samples", type=int, default=1,
+    ap.add_argument("--minutes", type=float, default=75.0, help="training time budget (the shipped draft: 75)")
+    ap.add_argument("--samples", type=int, default=3,
                     help="sampled answers per hand-written prompt besides the greedy one")
     ap.add_argument("--templated", type=int, default=2500,
                     help="templated training prompts (nightjar/data/templated.py) answered greedily")
