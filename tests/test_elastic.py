@@ -132,9 +132,8 @@ def test_memory_pressure_offloads_and_low_load_reloads_automatically(make_engine
             # low load: a lone request lets the reload trigger; the reload itself is asynchronous (a pool
             # shrink between steps, then a transfer worker), so wait for it to land (more requests if the box
             # was too slow for the trigger to persist during the first one)
-            tail = None
+            tail = await run_all(eng, prompts[:1], SamplingParams(max_tokens=20, ignore_eos=True))
             for _ in range(5):
-                tail = tail or await run_all(eng, prompts[:1], SamplingParams(max_tokens=20, ignore_eos=True))
                 if await resident_again(eng, 40):
                     break
                 await run_all(eng, prompts[1:2], SamplingParams(max_tokens=20, ignore_eos=True))

@@ -204,14 +204,20 @@ def split_validation(corpus, every: int = 20):
     return [r for r in corpus if r["id"] not in val_ids], [r for r in corpus if r["id"] in val_ids]
 
 
-@torch.no_grad()
-def validation_loss(model, val, max_len: int = 384, batch: int = 16) -> float:
-    losses = []
-    for i in range(0, len(val), batch):
-        ids, tid, tlp, mask = collate(val[i: i + batch], max_len)
+def _forward_batches(model, recs, max_len: int, batch: int):
+    """Teacher-forced bf16 forwards over ``recs`` in batches: (records, logits [M, V], tid, tlp, mask)."""
+    for i in range(0, len(recs), batch):
+        group = recs[i: i + batch]
+        ids, tid, tlp, mask = collate(group, max_len)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = dense_forward(model, ids, mask)
-        losses.append(kd_loss(logits, tid, tlp, mask).item())
+        yield group, logits, tid, tlp, mask
+
+
+@torch.no_grad()
+def validation_loss(model, val, max_len: int = 384, batch: int = 16) -> float:
+    losses = [kd_loss(logits, tid, tlp, mask).item() for _, logits, tid, tlp, mask in
+              _forward_batches(model, val, max_len, batch)]
     return sum(losses) / max(1, len(losses))
 
 
@@ -220,11 +226,8 @@ def top1_agreement(model, recs, max_len: int = 384, batch: int = 16) -> dict[str
     """Teacher-forced share of answer positions where the draft's argmax is the target's, for
     hand-written prompts and templated ones apart (what greedy acceptance at position 1 tracks)."""
     hits = {"hand-written": [0, 0], "templated": [0, 0]}
-    for i in range(0, len(recs), batch):
-        group = recs[i: i + batch]
-        ids, tid, tlp, mask = collate(group, max_len)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            same = dense_forward(model, ids, mask).argmax(-1) == tid[mask][:, 0]         # [M]
+    for group, logits, tid, _, mask in _forward_batches(model, recs, max_len, batch):
+        same = logits.argmax(-1) == tid[mask][:, 0]                                      # [M]
         src = torch.tensor([r["id"].startswith("tpl-") for r in group])[:, None].expand_as(mask)[mask]
         for key, sel in (("hand-written", ~src), ("templated", src)):
             hits[key][0] += int(same[sel].sum()); hits[key][1] += int(sel.sum())
