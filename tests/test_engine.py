@@ -202,7 +202,8 @@ def exact_first3(model, prompt, temp, vocab):
     return torch.stack([joint.sum((1, 2)), joint.sum((0, 2)), joint.sum((0, 1))])
 
 
-def test_speculative_sampling_keeps_the_target_distribution_of_the_first_three_tokens():
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-gumbel", "unseeded-rejection"])
+def test_speculative_sampling_keeps_the_target_distribution_of_the_first_three_tokens(seeded):
     vocab, n, temp = 12, 1500, 1.0
     pair = small_pair(vocab)
     prompt = [3, 7, 1, 4]
@@ -212,7 +213,8 @@ def test_speculative_sampling_keeps_the_target_distribution_of_the_first_three_t
         async with Engine(policy=policy, loaded=pair, dtype="float32", max_num_seqs=64, max_queue=10**6) as eng:
             async def one(seed):
                 toks = []
-                async for o in eng.generate(prompt, SamplingParams(max_tokens=3, temperature=temp, seed=seed)):
+                sp = SamplingParams(max_tokens=3, temperature=temp, seed=seed if seeded else None)
+                async for o in eng.generate(prompt, sp):
                     toks += o.token_ids
                 return toks
             res = await asyncio.gather(*[one(s) for s in range(n)])

@@ -6,21 +6,37 @@ from dataclasses import dataclass, field
 import torch
 
 from nightjar.kernel.messages import RequestAdmitted, SamplingSpec, TokensCommitted
-from nightjar.kernel.seeds import request_seed
+from nightjar.kernel.seeds import derive_seed, request_seed
 from nightjar.models.llama import build_layout
+from nightjar.triton_kernels.rejection import gumbel_noise, seeded_scores
 
 
 @dataclass
 class ReqMirror:
-    """What a model actor keeps of one request: tokens so far, sampling params, its generator."""
+    """What a model actor keeps of one request: tokens so far (prompt, then output), sampling params,
+    its generator."""
     tokens: list[int]
     sampling: SamplingSpec
     gen: torch.Generator | None = None
+    prompt_len: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
         return self.sampling.temperature <= 0
+
+    @property
+    def seeded(self) -> bool:
+        """A user-seeded sampling request: sampled by Gumbel-max with per-position noise."""
+        return not self.greedy and self.sampling.seed is not None
+
+    def noise_seeds(self, first: int, n: int) -> list[int]:
+        """Seeds of the noise of output positions first .. first+n-1 (from the user seed alone)."""
+        return [derive_seed(self.sampling.seed, "gumbel", t) for t in range(first, first + n)]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
 
 class RequestMirrors:
@@ -36,7 +52,7 @@ class RequestMirrors:
         if sp.temperature > 0:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(request_seed(self.root_seed, msg.req_id, sp.seed, self.stream))
-        self.reqs[msg.req_id] = ReqMirror(list(msg.prompt_ids), sp, gen)
+        self.reqs[msg.req_id] = ReqMirror(list(msg.prompt_ids), sp, gen, prompt_len=len(msg.prompt_ids))
 
     def commit(self, msg: TokensCommitted) -> list[int]:
         """Extend token lists; returns the ids that finished (and were dropped)."""
@@ -59,6 +75,13 @@ def run_chunks(model, cache, block_size: int, chunks: list[list[int]], starts: l
     """One batched forward of varlen chunks; logits [sum(logits_rows), V] fp32."""
     lay = build_layout(chunks, starts, tables, block_size, logits_rows, device=model.device)
     return model(lay, cache)
+
+
+def seeded_scores_of(mirror: ReqMirror, probs: torch.Tensor, first: int) -> torch.Tensor:
+    """Gumbel-max scores [n, V] of a seeded request at output positions first.. from probs [n, V]:
+    the argmax of row i is the request's seeded sample at position first + i."""
+    noise = gumbel_noise(mirror.noise_seeds(first, probs.shape[0]), probs.shape[-1], probs.device)
+    return seeded_scores(probs, noise)
 
 
 def sampling_tensors(specs: list[SamplingSpec], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

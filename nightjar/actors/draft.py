@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors
+from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved, RequestAdmitted, RequestsPreempted, StepDrafted, StepScheduled, TokensCommitted,
@@ -115,23 +115,32 @@ class DraftExecutor(Actor):
         for i in range(gamma):
             logits = run_chunks(self.slot.model, self.slot.cache, self.alloc.block_size, chunks, starts,
                                 [self.alloc.block_table(r) for r in rids], [1] * len(rids))   # [R, V]
-            nxt = self._pick(logits, greedy, temp, top_k, top_p, rids, qs)
+            nxt = self._pick(logits, greedy, temp, top_k, top_p, rids, qs, i)
             for j, tok in enumerate(nxt):
                 out[j].append(tok)
             starts = [s + len(c) for s, c in zip(starts, chunks)]
             chunks = [[tok] for tok in nxt]
         for r, s in zip(rids, starts):
             self.alloc.commit(r, s)       # drafts d1..d_{γ-1} now sit in the draft KV
-        probs = {r: torch.stack(q) for r, q, g in zip(rids, qs, greedy) if not g}
+        probs = {r: torch.stack(q) for r, q in zip(rids, qs) if q}
         return out, probs
 
-    def _pick(self, logits, greedy, temp, top_k, top_p, rids, qs) -> list[int]:
+    def _pick(self, logits, greedy, temp, top_k, top_p, rids, qs, pass_i: int) -> list[int]:
+        """Draft pass ``pass_i``'s tokens: argmax for greedy rows, Gumbel-max with the request's noise of
+        that output position for seeded rows, a draw from q (kept in qs for verification) otherwise."""
         nxt = logits.argmax(-1)                                                        # [R]
         rand = [j for j, g in enumerate(greedy) if not g]
-        if rand:
-            idx = torch.tensor(rand)
-            q = transform_logits(logits[idx], temp[idx], top_k[idx], top_p[idx])       # [r, V]
-            nxt[idx] = sample_from(q, [self.mirrors[rids[j]].gen for j in rand])
-            for k, j in enumerate(rand):
-                qs[j].append(q[k])
+        if not rand:
+            return nxt.tolist()
+        idx = torch.tensor(rand)
+        q = transform_logits(logits[idx], temp[idx], top_k[idx], top_p[idx])           # [r, V]
+        for k, j in enumerate(rand):
+            m = self.mirrors[rids[j]]
+            if m.seeded:
+                nxt[j] = seeded_scores_of(m, q[k:k + 1], m.num_output + pass_i).argmax()
+        free = [k for k, j in enumerate(rand) if not self.mirrors[rids[j]].seeded]
+        if free:
+            nxt[idx[free]] = sample_from(q[free], [self.mirrors[rids[rand[k]]].gen for k in free])
+            for k in free:
+                qs[rand[k]].append(q[k])
         return nxt.tolist()

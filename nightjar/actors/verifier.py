@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors
+from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
 from nightjar.actors.draft import DraftBuffers
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
@@ -98,6 +98,7 @@ class Verifier(Actor):
         temp, top_k, top_p = sampling_tensors(specs, tl.device)
         greedy = temp <= 0
         p = tl if bool(greedy.all()) else transform_logits(tl, temp[:, None], top_k[:, None], top_p[:, None])
+        greedy = self._seeded_rows_as_greedy(p, rids, drafts, greedy)
         dt = torch.tensor([d + [-1] * (G - len(d)) for d in drafts], dtype=torch.int64).view(B, G)
         nd = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
         q = self._draft_probs(rids, probs_q, G, tl.shape[-1], tl.device) if probs_q else None
@@ -107,6 +108,17 @@ class Verifier(Actor):
         else:
             toks, acc = rejection_sample_ref(p, dt, q, nd, greedy, gens)
         return [[t for t in row if t >= 0] for row in toks.tolist()], acc.tolist()
+
+    def _seeded_rows_as_greedy(self, p, rids, drafts, greedy):
+        """Seeded rows of p [B, G+1, V] become Gumbel-max scores (in place) over the positions they
+        verify; they are then verified like greedy rows. Returns the greedy mask [B] to verify with."""
+        seeded = [b for b, r in enumerate(rids) if self.mirrors[r].seeded]
+        for b in seeded:
+            m, n = self.mirrors[rids[b]], len(drafts[b]) + 1
+            p[b, :n] = seeded_scores_of(m, p[b, :n], m.num_output)
+        if not seeded:
+            return greedy
+        return greedy | torch.isin(torch.arange(len(rids)), torch.tensor(seeded)).to(greedy.device)
 
     def _synthetic_accept(self, p, drafts, nd):
         """Accept each draft with a set probability (benchmarks of the control plane on random weights)."""
@@ -135,7 +147,9 @@ class Verifier(Actor):
         if m.greedy:
             return int(logits.argmax())
         temp, top_k, top_p = sampling_tensors([m.sampling], logits.device)
-        probs = transform_logits(logits[None], temp, top_k, top_p)
+        probs = transform_logits(logits[None], temp, top_k, top_p)                 # [1, V]
+        if m.seeded:
+            return int(seeded_scores_of(m, probs, m.num_output).argmax())
         return int(sample_from(probs, [m.gen])[0])
 
     def _results(self, toks, acc, drafted, verify_time):

@@ -4,6 +4,11 @@ Fixed-shape outputs: tokens ``[B, G+1]`` padded with -1 and accepted counts ``[B
 Greedy rows (temperature 0) accept while draft == target argmax. Random rows use standard
 rejection sampling: accept x with prob min(1, p(x)/q(x)); on the first rejection resample from
 norm(max(0, p - q)); when all drafts pass, add a bonus token from p.
+
+Seeded rows use Gumbel-max instead (``gumbel_noise``/``seeded_scores``): the noise of output position t
+depends on (seed, t) alone, the draft proposes argmax(log q + g) and the target's choice is
+argmax(log p + g), so verifying them is verifying greedy rows on those scores. Every emitted token is
+then the non-speculative seeded sample, whatever γ, batch or draft state.
 """
 from __future__ import annotations
 
@@ -101,6 +106,25 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         last = (probs > 0).cumsum(-1).argmax(-1, keepdim=True)                     # last positive entry
         idx = torch.where(off, last, idx)
     return idx.squeeze(-1)
+
+
+_TINY = torch.finfo(torch.float32).tiny      # u = 0 would give -inf and rule a token out
+
+
+def gumbel_noise(seeds: list[int], vocab: int, device) -> torch.Tensor:
+    """Gumbel(0, 1) noise [len(seeds), V]: row i comes from ``seeds[i]`` alone (one seed per output position)."""
+    rows = []
+    for seed in seeds:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        u = torch.rand(vocab, generator=gen, device=device).clamp_min_(_TINY)        # [V] in (0, 1)
+        rows.append(u.log_().neg_().log_().neg_())                                  # -log(-log u)
+    return torch.stack(rows)
+
+
+def seeded_scores(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """log probs + noise [..., V]: its argmax is a sample of probs (Gumbel-max); zero mass stays -inf."""
+    return probs.log() + noise
 
 
 def rejection_sample_ref(

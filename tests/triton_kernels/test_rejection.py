@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nightjar.triton_kernels.rejection import (
-    _inverse_cdf, _sorted_probs, rejection_sample_ref, sample_from, transform_logits,
+    _inverse_cdf, _sorted_probs, gumbel_noise, rejection_sample_ref, sample_from, seeded_scores, transform_logits,
 )
 
 
@@ -69,3 +69,32 @@ def test_verification_emits_the_target_distribution_whatever_the_draft():
                                        torch.tensor([False]), [gen])
         first[toks[0, 0]] += 1
     assert torch.allclose(first / n, p[0], atol=0.025)
+
+
+def test_gumbel_max_follows_the_distribution_and_skips_zero_mass():
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    n = 20000
+    noise = gumbel_noise(list(range(n)), 6, "cpu")                             # [n, V], one seed a row
+    draws = seeded_scores(p.expand(n, -1), noise).argmax(-1)                  # [n]
+    freq = torch.bincount(draws, minlength=6).double() / n
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq, p.double(), atol=0.015)
+
+
+def test_gumbel_noise_of_a_row_depends_on_its_seed_alone():
+    a = gumbel_noise([5, 6, 7], 1000, "cpu")
+    assert torch.equal(a[1], gumbel_noise([6], 1000, "cpu")[0])
+    assert torch.equal(a[2], gumbel_noise([9, 7], 1000, "cpu")[1])
+    assert not torch.equal(a[0], a[1]) and torch.isfinite(a).all()
+
+
+def test_coupled_drafts_are_accepted_exactly_when_they_equal_the_targets_choice():
+    """Gumbel coupling: a draft q drawn with the target's noise is accepted with probability
+    sum_v P(argmax(log q + g) = argmax(log p + g) = v), at least the overlap-free lower bound."""
+    p = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    q = torch.tensor([0.3, 0.3, 0.2, 0.2])
+    n = 20000
+    noise = gumbel_noise(list(range(n)), 4, "cpu")
+    same = (seeded_scores(p.expand(n, -1), noise).argmax(-1) == seeded_scores(q.expand(n, -1), noise).argmax(-1))
+    rate, optimal = same.double().mean().item(), torch.minimum(p, q).sum().item()    # min(1, p/q) rule: 0.8
+    assert 0.6 < rate < optimal
