@@ -1,6 +1,10 @@
 """Draft quality for a target/draft pair: acceptance, cost ratio and single-stream speed-up (greedy).
 
     python bench/acceptance.py --prompts FILE.jsonl [--gamma 4] [--max-tokens 64] [--model M] [--draft D]
+    python bench/acceptance.py --temperature 0.8 --skip-speed    # sampled: Gumbel coupling vs rejection
+
+With ``--temperature T`` the acceptance at γ is also measured for sampled requests, seeded (verified by
+Gumbel-max coupling, reproducible) and unseeded (optimal rejection sampling), on the same prompts.
 
 ``--prompts heldout`` uses the held-out split of nightjar/data/prompts.jsonl. Each line of FILE is
 ``{"prompt": ...}``, sent as one user chat message. The last line printed is one JSON object with
@@ -47,11 +51,24 @@ async def run_policy(pair, policy: str, gamma_max: int, prompts, max_tokens: int
         return n / (time.perf_counter() - t0), eng.stats
 
 
-async def _one(eng, prompt: str, max_tokens: int) -> int:
+async def _one(eng, prompt: str, max_tokens: int, sp: SamplingParams | None = None) -> int:
     n = 0
-    async for o in eng.generate([{"role": "user", "content": prompt}], SamplingParams(max_tokens=max_tokens)):
+    sp = sp or SamplingParams(max_tokens=max_tokens)
+    async for o in eng.generate([{"role": "user", "content": prompt}], sp):
         n += len(o.token_ids)
     return n
+
+
+async def sampled_acceptance(pair, gamma: int, prompts, max_tokens: int, dtype: str, temperature: float,
+                             seeded: bool) -> dict:
+    """Acceptance of sampled requests at fixed γ: seeded ones (Gumbel coupling) or unseeded (rejection)."""
+    async with Engine(policy=f"fixed:{gamma}", loaded=pair, dtype=dtype, gamma_max=gamma) as eng:
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if seeded else None)
+            await _one(eng, p, max_tokens, sp)
+        st = eng.stats
+    return {"per_position_acceptance": [round(x / st.num_drafts, 3) for x in st.accepted_per_pos],
+            "mean_accepted_tokens": round(1 + st.accepted_tokens / st.num_drafts, 3)}
 
 
 def main(argv=None) -> dict:
@@ -66,11 +83,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the speed runs")
     ap.add_argument("--speed-prompts", type=int, default=12, help="prompts per single-stream speed run")
     ap.add_argument("--write-card", action="store_true", help="append the figures to the draft's model card")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="also measure sampled acceptance at this temperature, seeded vs unseeded")
+    ap.add_argument("--skip-speed", action="store_true", help="only acceptance (no greedy or speed runs)")
     a = ap.parse_args(argv)
     prompts = read_prompts(a.prompts, a.limit)
     target = load_model(a.model, a.dtype)
     draft = load_draft(a.draft, target.config, a.dtype)
     pair = (target, draft)
+    sampled = {}
+    if a.temperature > 0:
+        for name, seeded in (("seeded_gumbel", True), ("unseeded_rejection", False)):
+            sampled[name] = asyncio.run(sampled_acceptance(pair, a.gamma, prompts, a.max_tokens, a.dtype,
+                                                           a.temperature, seeded))
+            print(f"  T={a.temperature} {name}: {sampled[name]}", flush=True)
+        if a.skip_speed:
+            print(json.dumps({"prompts": len(prompts), "gamma": a.gamma, "temperature": a.temperature, **sampled}))
+            return sampled
     _, st = asyncio.run(run_policy(pair, f"fixed:{a.gamma}", a.gamma, prompts, a.max_tokens, a.dtype))
     per_pos = [x / st.num_drafts for x in st.accepted_per_pos]
     mean_acc = 1 + st.accepted_tokens / st.num_drafts
@@ -92,6 +121,7 @@ def main(argv=None) -> dict:
         "target_step_ms": round(t_target * 1e3, 2), "draft_step_ms": round(t_draft * 1e3, 2),
         "tokens_per_s": {p: round(v, 2) for p, v in med.items()},
         "speedup_best_fixed_vs_off": round(med[best] / med["off"], 3), "best_gamma": int(best.split(":")[1]),
+        **({"temperature": a.temperature, **sampled} if sampled else {}),
     }
     print(f"per-position acceptance: {result['per_position_acceptance']}, mean accepted tokens/step "
           f"(incl. bonus) at γ={a.gamma}: {mean_acc:.2f}; draft/target step time at B=1: "

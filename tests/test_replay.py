@@ -55,6 +55,13 @@ def test_full_replay_reproduces_the_greedy_tokens(make_engine, tiny_pair, tmp_pa
     assert res.ok and res.exact >= 2, res.details
 
 
+def test_full_replay_reproduces_seeded_sampled_tokens_under_the_adaptive_policy(make_engine, tiny_pair, tmp_path):
+    path = tmp_path / "run.njtrace"
+    record_run(make_engine, path, "nightjar", n=6, pair=private_pair(tiny_pair))
+    res = full_replay(str(path), loaded=private_pair(tiny_pair))
+    assert res.ok and res.exact >= 4, res.details     # 3 greedy + 1 seeded sampled request, all exact
+
+
 @pytest.mark.parametrize("golden", GOLDEN, ids=[p.name for p in GOLDEN])
 def test_golden_traces_replay_with_zero_divergence(golden):
     res = replay_file(str(golden), allow_schema_drift=True)
