@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, ClassVar
 import msgspec
 import torch
 
+from nightjar.actors.admission import context_limit
 from nightjar.actors.draft import DraftBuffers, DraftExecutor
 from nightjar.actors.verifier import Verifier
 from nightjar.actors.weights import DraftSlot
@@ -164,6 +165,10 @@ class Engine:
         self.tokenizer = self.target.tokenizer
         self.memory = plan_memory(c, self.target, self.draft)
         tc = self.target.config
+        if self.max_model_len < min(c.max_model_len, tc.max_position):
+            log.warning("max_model_len is %d tokens, not %d: the KV pool holds %d tokens with the draft resident "
+                        "(raise the memory budget or --num-blocks, or lower --max-model-len)", self.max_model_len,
+                        min(c.max_model_len, tc.max_position), self.memory.num_blocks * c.block_size)
         dev, dtype = self.target.model.device, self.target.model.dtype
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks, dtype, dev)
         self.clock = MonotonicClock()
@@ -193,6 +198,13 @@ class Engine:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
         return actors
+
+    @property
+    def max_model_len(self) -> int:
+        """The context every request may use, and what the server advertises: max_model_len capped by the
+        model's positions and by the base KV pool (always there; it only grows while the draft is offloaded)."""
+        c = self.config
+        return context_limit(min(c.max_model_len, self.target.config.max_position), self.memory.num_blocks * c.block_size)
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes the engine holds on its device now (the budget covers their sum)."""

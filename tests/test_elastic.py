@@ -145,3 +145,86 @@ def test_memory_pressure_offloads_and_low_load_reloads_automatically(make_engine
             return out, tail
     out, _ = asyncio.run(elastic())
     assert out == asyncio.run(reference())
+
+
+def test_the_draft_comes_back_after_a_burst_with_a_tiny_pool_and_default_limits(make_engine, smol_tokenizer):
+    """Default max_num_seqs / max_num_batched_tokens / block size / T_persist: the configured reload headroom
+    (2·64 + 512/16 = 160 blocks) is bigger than the whole 24-block pool, yet the draft is offloaded under
+    the burst and resident again once the load falls, with no further request, and the tokens are exact."""
+    from nightjar.kernel.config import EngineConfig
+
+    prompts = prompts_of_mixed_length(smol_tokenizer, 14)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+
+    async def reference():
+        async with make_engine("off") as eng:
+            return await run_all(eng, prompts, params, stagger=0)
+
+    async def elastic():
+        async with make_engine("fixed:0", elastic_memory=True, num_blocks=24) as eng:
+            d = EngineConfig()
+            c = eng.config
+            assert (c.max_num_seqs, c.max_num_batched_tokens, c.block_size, c.persist_steps, c.low_free_frac) == \
+                (d.max_num_seqs, d.max_num_batched_tokens, d.block_size, d.persist_steps, d.low_free_frac)
+            assert eng.weights.triggers.headroom_blocks == 160 > 24
+            states = events_of(eng, (DraftResidency,))
+            out = await run_all(eng, prompts, params, stagger=0)
+            assert await resident_again(eng, 24, timeout=10.0)
+            seen = [m.state for m in states]
+            assert "OFFLOADED" in seen and seen[-1] == "RESIDENT", seen
+            assert eng.weights.num_offloads >= 1 and eng.weights.num_reloads == eng.weights.num_offloads
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+            assert eng.device_bytes()["draft_weights"] > 0
+            return out
+    assert asyncio.run(elastic()) == asyncio.run(reference())
+
+
+def test_a_prompt_longer_than_the_base_pool_gets_a_400_naming_the_advertised_context(make_engine, smol_tokenizer):
+    """The context the engine honours is max_model_len capped by the base pool (the pool with the draft
+    resident): a prompt within it always runs; one at or over it is refused with that same number, even
+    while the draft is offloaded and the pool is bigger."""
+    from nightjar.sampling import RequestError
+
+    async def main():
+        async with make_engine("fixed:2", num_blocks=8, block_size=16, max_model_len=2048) as eng:
+            assert eng.max_model_len == 128
+            ok = [o async for o in eng.generate(list(range(5, 5 + 120)), SamplingParams(max_tokens=7, ignore_eos=True))]
+            assert ok[-1].finish_reason == "length" and ok[-1].num_output_tokens == 7
+            eng.bus.publish("test", [OffloadDraft(reason="test")])
+            await wait_for(lambda: eng.allocator.num_total > 8, what="pool growth")
+            for n in (128, 1000):
+                try:
+                    async for _ in eng.generate(list(range(5, 5 + n)), SamplingParams(max_tokens=1)):
+                        pass
+                    raise AssertionError("a prompt over the context was admitted")
+                except RequestError as e:
+                    assert e.status == 400 and f"the context is 128" in str(e), str(e)
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+    asyncio.run(main())
+
+
+def test_the_draft_comes_back_while_a_light_load_still_runs_with_default_limits(make_engine, smol_tokenizer):
+    """Not only when idle: one long request outlives the burst, and the reload trigger (free blocks over
+    draft + τ_low + the pool-capped headroom for T_persist steps) brings the draft back while it runs."""
+    from nightjar.kernel.messages import DraftReloaded
+
+    prompts = prompts_of_mixed_length(smol_tokenizer, 14)
+    burst = SamplingParams(max_tokens=30, ignore_eos=True)
+
+    async def main():
+        async with make_engine("fixed:0", elastic_memory=True, num_blocks=24) as eng:
+            live_at_reload = []
+            eng.bus.add_tap(lambda env: live_at_reload.append(len(eng.weights.live))
+                            if isinstance(env.msg, DraftReloaded) else None)
+            long = asyncio.ensure_future(run_all(eng, [prompts[1]], SamplingParams(max_tokens=150, ignore_eos=True)))
+            await asyncio.sleep(0.01)
+            await run_all(eng, prompts, burst, stagger=0)
+            (toks,) = await long
+            assert len(toks) == 150
+            assert eng.weights.num_offloads >= 1
+            assert live_at_reload and live_at_reload[0] >= 1, live_at_reload     # reloaded under load
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+    asyncio.run(main())

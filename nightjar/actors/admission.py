@@ -9,15 +9,20 @@ from nightjar.kernel.messages import (
 )
 
 
+def context_limit(max_model_len: int, pool_tokens: int | None = None) -> int:
+    """The context the engine always honours: max_model_len, capped by the base KV pool (the pool with
+    the draft resident; it only grows beyond that while the draft is offloaded)."""
+    return max_model_len if pool_tokens is None else min(max_model_len, pool_tokens)
+
+
 def validate(prompt_ids: tuple[int, ...], sp: SamplingSpec, vocab_size: int, max_model_len: int,
              pool_tokens: int | None = None) -> str | None:
     """The reason a request cannot run, or None."""
     if not prompt_ids:
         return "prompt is empty"
-    if pool_tokens is not None and len(prompt_ids) >= pool_tokens:
-        return f"prompt has {len(prompt_ids)} tokens; the KV pool holds {pool_tokens}"
-    if len(prompt_ids) >= max_model_len:
-        return f"prompt has {len(prompt_ids)} tokens; the context is {max_model_len} (prompt must leave room for 1 token)"
+    limit = context_limit(max_model_len, pool_tokens)
+    if len(prompt_ids) >= limit:
+        return f"prompt has {len(prompt_ids)} tokens; the context is {limit} (prompt must leave room for 1 token)"
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         return f"prompt token ids must be in [0, {vocab_size})"
     return validate_sampling(sp, vocab_size)

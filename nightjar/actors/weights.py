@@ -4,6 +4,9 @@ triggers (with hysteresis) that move them.
 States (algorithm reference §3): RESIDENT -> OFFLOADING -> OFFLOADED (pool expanded) -> SHRINKING
 -> RELOADING -> RESIDENT. γ > 0 only while RESIDENT: every change is announced by DraftResidency.
 Transfers run on the transfer worker; their completion comes back as a TransferFinished message.
+
+The reload is always reachable: its headroom is capped by the base pool (an empty pool always
+qualifies), and an engine with no request in flight reloads at once (no steps run to persist over).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved, DraftOffloaded, DraftReloaded, DraftResidency, GrowPool, OffloadDraft, PoolResized,
-    ReloadDraft, ShrinkPool, StepScheduled, StepVerified, TransferFinished,
+    ReloadDraft, RequestAdmitted, ShrinkPool, StepScheduled, StepVerified, TokensCommitted, TransferFinished,
 )
 
 
@@ -45,14 +48,20 @@ class Triggers:
         return gamma == 0 and (short if not self.offload_on_queue else (short or waiting > 0))
 
     def wants_reload(self, free: int, total: int, waiting: int) -> bool:
-        room = self.draft_blocks + self.low_free_frac * (total - self.draft_blocks) + self.headroom_blocks
+        base = total - self.draft_blocks                   # the pool once the draft is back
+        room = self.draft_blocks + self.low_free_frac * base + self.reload_headroom(base)
         return waiting == 0 and free > room
+
+    def reload_headroom(self, base: int) -> float:
+        """The configured headroom, capped at half of what τ_low leaves of the base pool: with the cap,
+        a pool with at most that half in use (an empty one always) qualifies, whatever the limits."""
+        return min(self.headroom_blocks, max(0.0, (1.0 - self.low_free_frac) * base / 2))
 
 
 class WeightMover(Actor):
     name: ClassVar[str] = "weights"
     subscribes = (StepScheduled, BlocksReserved, StepVerified, TransferFinished, PoolResized,
-                  OffloadDraft, ReloadDraft)
+                  OffloadDraft, ReloadDraft, RequestAdmitted, TokensCommitted)
 
     def __init__(self, slot: DraftSlot | None, triggers: Triggers | None, elastic: bool, transfer=None):
         super().__init__()
@@ -66,6 +75,7 @@ class WeightMover(Actor):
         self.offload_done = False
         self.num_offloads = self.num_reloads = 0
         self.reload_forced = False       # a ReloadDraft command retries every step until the pool shrinks
+        self.live: set[int] = set()      # requests admitted and not finished: none left -> reload at once
 
     def on_start(self, now):
         return [DraftResidency(resident=self.slot is not None, state=self.state)]
@@ -74,6 +84,11 @@ class WeightMover(Actor):
         match msg:
             case StepScheduled():
                 self.waiting = msg.num_waiting
+            case RequestAdmitted():
+                self.live.add(msg.req_id)
+            case TokensCommitted():
+                self.live.difference_update(r for r, f in zip(msg.req_ids, msg.finish) if f)
+                return self._reload_if_idle()
             case BlocksReserved():
                 self.gamma_inflight = msg.gamma
                 return self._evaluate(msg)
@@ -108,6 +123,13 @@ class WeightMover(Actor):
         self.streak = 0
         return self._start_offload() if self.state == "RESIDENT" else self._start_shrink()
 
+    def _reload_if_idle(self):
+        """No request in flight: the pool is all free, so an offloaded draft comes back now."""
+        if self.live or not self.elastic or self.state != "OFFLOADED":
+            return None
+        self.streak = 0
+        return self._start_shrink()
+
     # ---- offload: copy out, then (between γ>0 steps) release and grow the pool ------------------
     def _start_offload(self):
         self.state, self.offload_done = "OFFLOADING", False
@@ -140,7 +162,7 @@ class WeightMover(Actor):
         self.num_offloads += 1
         n, info = self.triggers.draft_blocks, self.offload_info
         return [DraftOffloaded(bytes_moved=info.nbytes, duration_s=info.duration_s, freed_blocks=n),
-                DraftResidency(resident=False, state=self.state), GrowPool(num_blocks=n)]
+                DraftResidency(resident=False, state=self.state), GrowPool(num_blocks=n)] + (self._reload_if_idle() or [])
 
     # ---- reload: shrink the pool first, then copy back ----------------------------------------
     def _start_shrink(self):

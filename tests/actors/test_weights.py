@@ -1,0 +1,65 @@
+"""The weight mover's reload rule, on its own (handle() called directly, no event loop, no model)."""
+from __future__ import annotations
+
+import itertools
+
+from nightjar.actors.control import triggers_of
+from nightjar.actors.weights import Triggers, WeightMover
+from nightjar.kernel.config import EngineConfig
+from nightjar.kernel.messages import (
+    DraftResidency, FinishReason, RequestAdmitted, SamplingSpec, ShrinkPool, TokensCommitted,
+)
+
+
+def test_an_empty_pool_always_qualifies_for_reload_whatever_the_limits():
+    grid = itertools.product((1, 8, 64, 256), (64, 512, 8192), (8, 16, 32), (4, 24, 101, 4000), (1, 91, 1540),
+                             (0.05, 0.10, 0.20))
+    for seqs, batched, bs, base, draft, frac in grid:
+        cfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=batched, block_size=bs, low_free_frac=frac)
+        t = triggers_of({"draft_blocks": draft}, cfg)
+        total = base + draft
+        assert t.wants_reload(free=total, total=total, waiting=0), (seqs, batched, bs, base, draft, frac)
+        assert not t.wants_reload(free=total, total=total, waiting=1)
+        assert not t.wants_reload(free=draft, total=total, waiting=0)           # the base pool is all in use
+
+
+def test_the_issue_case_reloads_once_about_half_the_base_pool_is_free():
+    """--device-memory 340000000 with the defaults: 101 base blocks, a 91-block draft, headroom 160."""
+    t = triggers_of({"draft_blocks": 91}, EngineConfig())
+    assert t.headroom_blocks == 160
+    total = 101 + 91
+    assert t.reload_headroom(101) == 0.9 * 101 / 2
+    assert t.wants_reload(free=total - 40, total=total, waiting=0)
+    assert not t.wants_reload(free=total - 60, total=total, waiting=0)
+    # a big pool keeps the configured headroom
+    big = Triggers(draft_blocks=91, headroom_blocks=160)
+    assert big.reload_headroom(4000) == 160
+
+
+def offloaded_mover() -> WeightMover:
+    m = WeightMover(None, Triggers(draft_blocks=10), elastic=False)
+    m.elastic, m.state = True, "OFFLOADED"
+    return m
+
+
+def committed(req_ids, finish):
+    n = len(req_ids)
+    return TokensCommitted(step=1, req_ids=tuple(req_ids), counts=(0,) * n, tokens=(), num_computed=(0,) * n,
+                           finish=tuple(int(f) for f in finish))
+
+
+def test_an_idle_engine_reloads_an_offloaded_draft_when_its_last_request_finishes():
+    m = offloaded_mover()
+    for rid in (1, 2):
+        m.handle(RequestAdmitted(req_id=rid, prompt_ids=(1,), sampling=SamplingSpec()), 0.0)
+    assert m.handle(committed([1, 2], [FinishReason.LENGTH, FinishReason.NONE]), 0.0) is None
+    out = m.handle(committed([2], [FinishReason.ABORT]), 0.0)
+    assert [type(x) for x in out] == [ShrinkPool, DraftResidency] and out[0].num_blocks == 10
+    assert m.state == "SHRINKING"
+
+
+def test_a_mover_without_elastic_memory_keeps_a_commanded_offload():
+    m = offloaded_mover()
+    m.elastic = False
+    m.handle(RequestAdmitted(req_id=1, prompt_ids=(1,), sampling=SamplingSpec()), 0.0)
+    assert m.handle(committed([1], [FinishReason.STOP]), 0.0) is None and m.state == "OFFLOADED"
