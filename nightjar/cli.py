@@ -22,7 +22,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory budget for weights + KV: bytes (>1) or a fraction of the device (<=1)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the budget)")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=2048,
+                   help="context per request; capped by the KV pool with the draft resident (a warning says so)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429s")
@@ -74,8 +75,42 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"the server is not available: {e}", file=sys.stderr)
         return 1
-    app.serve(engine_kwargs(a), host=a.host, port=a.port, api_key=a.api_key, trace=a.trace)
+    limits = app.ServerLimits(header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout,
+                              max_connections=a.max_connections, keepalive_timeout_s=a.keepalive_timeout)
+    app.serve(engine_kwargs(a), host=a.host, port=a.port, api_key=a.api_key, trace=a.trace, limits=limits)
     return 0
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _server_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require this Bearer key on /v1/*. A key given here is visible to every local user in "
+                        "the process list (ps); prefer the NIGHTJAR_API_KEY environment variable, which is read "
+                        "when this flag is absent")
+    g = s.add_argument_group("client limits")
+    g.add_argument("--header-timeout", type=_positive(float), default=10.0, metavar="S",
+                   help="seconds from a request's first byte to its complete head; slower clients are dropped "
+                        "(default 10)")
+    g.add_argument("--body-timeout", type=_positive(float), default=30.0, metavar="S",
+                   help="seconds to receive a request body; slower clients get a 408 and are dropped (default 30)")
+    g.add_argument("--max-connections", type=_positive(int), default=512, metavar="N",
+                   help="open client connections; more get a 503 and are closed (default 512)")
+    g.add_argument("--keepalive-timeout", type=_positive(float), default=75.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 75)")
 
 
 def cmd_models(a: argparse.Namespace) -> int:
@@ -102,9 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (or NIGHTJAR_API_KEY)")
+    _server_args(s)
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate once from a prompt (one user chat message unless --raw)")
     _engine_args(g)

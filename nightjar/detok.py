@@ -3,7 +3,8 @@ from __future__ import annotations
 
 
 class IncrementalText:
-    """Turns token deltas into text deltas; holds back text that might start a stop string."""
+    """Turns token deltas into text deltas; holds back text that might start a stop string and an
+    incomplete UTF-8 sequence at the end (dropped if the output ends there)."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tok, self.stop = tokenizer, [s for s in stop if s]
@@ -16,8 +17,11 @@ class IncrementalText:
         """Add tokens; return the text that may be shown now."""
         self.ids.extend(new_ids)
         full = self.tok.decode(self.ids) if self.tok else ""
-        if full.endswith("\ufffd") and not final:
-            full = full[: len(full) - 1]          # an incomplete UTF-8 sequence: wait for more
+        if full.endswith("\ufffd"):
+            # an incomplete UTF-8 sequence (the decoder writes one U+FFFD for it): wait for more bytes while
+            # streaming; at the end the answer was cut inside a character, so drop it. (A literal U+FFFD
+            # as the very last character of an answer is dropped too.)
+            full = full[: len(full) - 1]
         cut = self._find_stop(full)
         if cut is not None:
             full, self.stopped, final = full[:cut], True, True

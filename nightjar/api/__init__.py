@@ -1,4 +1,5 @@
 """OpenAI-compatible HTTP server (aiohttp) and Prometheus metrics for the Nightjar engine."""
-from nightjar.api.app import create_app, serve
+from nightjar.api.app import create_app, serve, start_guarded
+from nightjar.api.connections import ServerLimits
 
-__all__ = ["create_app", "serve"]
+__all__ = ["ServerLimits", "create_app", "serve", "start_guarded"]

@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("NIGHTJAR_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("NIGHTJAR_API_KEY"),
+                   help="require this Bearer key on /v1/*; visible in the process list: prefer NIGHTJAR_API_KEY")
     p.add_argument("--trace", default=None, help="record a replayable trace to this file")
     p.add_argument("--log-level", default="info")
     p.add_argument("--engine-args", default="{}", help="extra EngineConfig fields as JSON, "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from nightjar.api import create_app
+from nightjar.api import ServerLimits, create_app, start_guarded
 
 MODEL = "nightjar-tiny"
 API_KEY = "sk-nightjar-test"
@@ -29,13 +29,13 @@ class Server:
         return f"{self.url}/v1"
 
 
-async def start_server(engine, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> Server:
-    """A real server on a free loopback port, inside the running loop; the app owns the engine."""
-    app = create_app(engine, MODEL, api_key=api_key, max_body_bytes=max_body_bytes, served_engine_owned=True)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+async def start_server(engine, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+                       limits: ServerLimits | None = None) -> Server:
+    """A real server on a free loopback port, inside the running loop, on the guarded site ``serve()`` uses
+    (connection cap, read deadlines); the app owns the engine."""
+    app = create_app(engine, MODEL, api_key=api_key, max_body_bytes=max_body_bytes, served_engine_owned=True,
+                     limits=limits)
+    runner, _ = await start_guarded(app, "127.0.0.1", 0)
     return Server(engine, app, runner, runner.addresses[0][1])
 
 

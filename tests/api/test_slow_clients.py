@@ -1,0 +1,166 @@
+"""Slow and broken clients: read deadlines for the request head and body, the cap on open connections,
+requests refused by aiohttp's own parser (one INFO line, no traceback), and big chat bodies templated off
+the event loop. Raw sockets on loopback, against the guarded site ``nightjar serve`` runs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import aiohttp
+import pytest
+
+from nightjar.api import ServerLimits
+from nightjar.api.app import STATE, _prepare_prompt_size
+from tests.api.api_support import MODEL, wait_until
+
+FAST = ServerLimits(header_timeout_s=0.3, body_timeout_s=0.3)
+
+
+async def connect(srv):
+    return await asyncio.open_connection("127.0.0.1", srv.port)
+
+
+async def closed_within(reader, seconds: float) -> bytes:
+    """Everything the server sends until it closes the connection (fails if it stays open)."""
+    data = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = await asyncio.wait_for(reader.read(65536), deadline - time.monotonic())
+        except (asyncio.TimeoutError, TimeoutError):
+            break
+        except ConnectionError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+    raise AssertionError(f"the server kept the connection open for {seconds} s (got {data[:200]!r})")
+
+
+def server_records(caplog, level=logging.INFO):
+    return [r for r in caplog.records if r.levelno >= level and r.name.startswith(("nightjar", "aiohttp"))]
+
+
+async def test_a_client_trickling_its_request_head_is_dropped_with_one_info_line(serve, caplog):
+    caplog.set_level(logging.INFO)
+    srv = await serve("off", limits=FAST)
+    reader, writer = await connect(srv)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    async def trickle():
+        for b in head:                       # one byte every 50 ms: the head never completes in time
+            writer.write(bytes([b]))
+            await asyncio.sleep(0.05)
+    task = asyncio.create_task(trickle())
+    try:
+        assert await closed_within(reader, 3.0) == b""
+    finally:
+        task.cancel()
+        writer.close()
+    dropped = [r for r in server_records(caplog) if "dropped client" in r.getMessage()]
+    assert len(dropped) == 1 and dropped[0].levelno == logging.INFO and "request head" in dropped[0].getMessage()
+    assert not [r for r in server_records(caplog) if r.levelno >= logging.WARNING or r.exc_info]
+    async with aiohttp.ClientSession(srv.url) as s, s.get("/health") as r:
+        assert r.status == 200
+
+
+async def test_a_client_too_slow_with_its_body_gets_a_408_and_is_dropped(serve, caplog):
+    caplog.set_level(logging.INFO)
+    srv = await serve("off", limits=FAST)
+    reader, writer = await connect(srv)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    try:
+        reply = await closed_within(reader, 3.0)
+    finally:
+        writer.close()
+    status, _, rest = reply.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    dropped = [r for r in server_records(caplog) if "dropped client" in r.getMessage()]
+    assert len(dropped) == 1 and "body" in dropped[0].getMessage() and dropped[0].levelno == logging.INFO
+    assert not [r for r in server_records(caplog) if r.levelno >= logging.WARNING or r.exc_info]
+
+
+async def test_connections_over_the_cap_get_a_503_and_the_server_keeps_serving(serve, caplog):
+    caplog.set_level(logging.INFO)
+    srv = await serve("off", limits=ServerLimits(max_connections=3))
+    idle = [await connect(srv) for _ in range(3)]
+    assert await wait_until(lambda: len(srv.app[STATE].guard.open) == 3)
+    reader, writer = await connect(srv)
+    reply = await closed_within(reader, 3.0)
+    writer.close()
+    assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+    refused = [r for r in server_records(caplog) if "refused client" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.INFO
+    for _, w in idle:
+        w.close()
+    assert await wait_until(lambda: not srv.app[STATE].guard.open)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    async with aiohttp.ClientSession(srv.url) as s, s.post("/v1/completions", json=body) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+], ids=["1MB-header", "transfer-encoding-and-content-length"])
+async def test_a_request_refused_by_the_http_parser_logs_one_line_without_traceback(serve, caplog, request_bytes):
+    caplog.set_level(logging.DEBUG)
+    srv = await serve("off")
+    caplog.clear()
+    reader, writer = await connect(srv)
+    try:
+        writer.write(request_bytes)
+        await writer.drain()
+    except ConnectionError:
+        pass                                  # the server may answer and close before the 1 MB is sent
+    reply = await closed_within(reader, 3.0)
+    writer.close()
+    assert reply.split(b" ")[1] == b"400", reply[:200]
+    records = [r for r in server_records(caplog) if r.levelno >= logging.INFO]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].levelno == logging.INFO and "rejected a malformed request" in records[0].getMessage()
+    assert not any(r.exc_info for r in server_records(caplog, logging.DEBUG))
+    async with aiohttp.ClientSession(srv.url) as s, s.get("/health") as r:
+        assert r.status == 200
+
+
+def test_the_off_loop_threshold_counts_chat_messages_not_only_their_characters():
+    empty = [{"role": "user", "content": ""}] * 30_000
+    assert _prepare_prompt_size(empty) > 16_384 * 10
+    assert _prepare_prompt_size([{"role": "user", "content": "hi"}]) < 16_384
+    assert _prepare_prompt_size(list(range(20_000))) > 16_384          # token ids count too
+
+
+async def test_a_body_of_30k_empty_messages_is_templated_off_the_event_loop(serve):
+    srv = await serve("off")
+    engine = srv.engine
+    encode, threads = engine.encode, []
+
+    def spy(prompt):                          # the real encode, recording where chat templating runs
+        if prompt and isinstance(prompt[0], dict):
+            threads.append(threading.current_thread())
+        return encode(prompt)
+    engine.encode = spy
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 30_000, "max_tokens": 2}
+    health = []
+
+    async def ping(s):
+        while True:
+            async with s.get("/health") as r:
+                health.append(r.status)
+            await asyncio.sleep(0.01)
+    async with aiohttp.ClientSession(srv.url) as s:
+        pinger = asyncio.create_task(ping(s))
+        async with s.post("/v1/chat/completions", json=body) as r:
+            err = (await r.json())["error"]
+        pinger.cancel()
+        await asyncio.gather(pinger, return_exceptions=True)
+    assert r.status == 400 and err["code"] == "context_length_exceeded"      # 150k tokens > 1024
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
+    assert health and set(health) == {200}
