@@ -111,7 +111,7 @@ def bench_migration(device, t, big, dtype, use_triton):
 
 
 def bench_rejection(device, t, big, use_triton):
-    from nightjar.triton_kernels.rejection import rejection_sample_ref
+    from nightjar.actors.sampler import draw_uniforms, rejection_sample
     from nightjar.triton_kernels.rejection_triton import (draw_noise, rejection_sample_noise_ref,
                                                           rejection_sample_triton)
     B, G, V = (64, 5, 128256) if big else (8, 4, 32000)
@@ -128,13 +128,14 @@ def bench_rejection(device, t, big, use_triton):
     rows = [Row("rejection (noise ref)", shape, nbytes, t(lambda: rejection_sample_noise_ref(*args)))]
     if use_triton:
         rows[0].triton_ms = t(lambda: rejection_sample_triton(*args))
-    rows.append(Row("rejection_sample_ref (engine)", shape, nbytes,
-                    t(lambda: rejection_sample_ref(p, d, q, nd, greedy, gens))))
+    uu = draw_uniforms(gens, (~greedy).tolist(), G + 1, device)
+    rows.append(Row("rejection_sample (engine, torch)", shape, nbytes,
+                    t(lambda: rejection_sample(p, d, q, nd, greedy, uu))))
     return rows
 
 
 def bench_weight_pack(device, t, big):
-    from nightjar.triton_kernels.weight_pack import pack_tensors, unpack_tensors
+    from nightjar.transfer.weight_pack import pack_tensors, unpack_tensors
     n, each = (64, 4 << 20) if big else (64, 1 << 20)             # 64 tensors x 4 / 1 MiB
     host = [torch.randn(each // 4) for _ in range(n)]               # pageable fp32
     buf, layout = pack_tensors(host)

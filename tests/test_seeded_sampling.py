@@ -1,6 +1,6 @@
 """Seeded sampling is reproducible under every policy: the same seeded requests give the same tokens
 through ``off``, ``fixed:1..4``, ``nightjar`` and a forced offload/reload cycle, alone or in a batch,
-in fp32 and bf16 (Gumbel-max with noise keyed by (seed, output position); see triton_kernels/rejection.py)."""
+in fp32 and bf16 (Gumbel-max with noise keyed by (seed, output position); see actors/sampler.py)."""
 from __future__ import annotations
 
 import asyncio

@@ -7,8 +7,8 @@ import torch
 
 from nightjar.kernel.messages import RequestAdmitted, SamplingSpec, TokensCommitted
 from nightjar.kernel.seeds import derive_seed, request_seed
+from nightjar.actors.sampler import gumbel_noise, seeded_scores
 from nightjar.models.llama import build_layout
-from nightjar.triton_kernels.rejection import gumbel_noise, seeded_scores
 
 
 @dataclass

@@ -14,7 +14,7 @@ from nightjar.kernel.messages import (
     BlocksReserved, RequestAdmitted, RequestsPreempted, StepDrafted, StepScheduled, TokensCommitted,
 )
 from nightjar.kvpool.blocks import BlockAllocator
-from nightjar.triton_kernels.rejection import sample_from, transform_logits
+from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
 
 
 class DraftBuffers:
@@ -133,7 +133,8 @@ class DraftExecutor(Actor):
         if not rand:
             return nxt.tolist()
         idx = torch.tensor(rand)
-        q = transform_logits(logits[idx], temp[idx], top_k[idx], top_p[idx])           # [r, V]
+        hints = SamplingHints.of_specs([self.mirrors[rids[j]].sampling for j in rand], logits.shape[-1])
+        q = transform_logits(logits[idx], temp[idx], top_k[idx], top_p[idx], hints)    # [r, V]
         for k, j in enumerate(rand):
             m = self.mirrors[rids[j]]
             if m.seeded:

@@ -14,7 +14,7 @@ from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved, RequestAdmitted, StepDrafted, StepScheduled, StepTimed, StepVerified, TokensCommitted,
 )
-from nightjar.triton_kernels.rejection import rejection_sample_ref, sample_from, transform_logits
+from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits, verify
 
 
 class Verifier(Actor):
@@ -89,36 +89,41 @@ class Verifier(Actor):
         return out, acc
 
     def _verify_decode(self, logits, offsets, drafts, probs_q, gamma):
+        """Verify the decode rows in one fixed-shape sampler call and one device-to-host copy."""
         s = self.sched
         B, G = s.num_decode, gamma
         rids = list(s.req_ids[:B])
+        mirrors = [self.mirrors[r] for r in rids]
         idx = torch.tensor([[offsets[b] + min(i, len(drafts[b])) for i in range(G + 1)] for b in range(B)])
         tl = logits[idx]                                                              # [B, G+1, V]
-        specs = [self.mirrors[r].sampling for r in rids]
-        temp, top_k, top_p = sampling_tensors(specs, tl.device)
-        greedy = temp <= 0
-        p = tl if bool(greedy.all()) else transform_logits(tl, temp[:, None], top_k[:, None], top_p[:, None])
-        greedy = self._seeded_rows_as_greedy(p, rids, drafts, greedy)
-        dt = torch.tensor([d + [-1] * (G - len(d)) for d in drafts], dtype=torch.int64).view(B, G)
-        nd = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+        specs = [m.sampling for m in mirrors]
+        hints = SamplingHints.of_specs(specs, tl.shape[-1])
+        if all(m.greedy for m in mirrors):
+            p = tl
+        else:
+            temp, top_k, top_p = sampling_tensors(specs, tl.device)
+            p = transform_logits(tl, temp[:, None], top_k[:, None], top_p[:, None], hints)   # [B, G+1, V]
+        self._seeded_rows_to_scores(p, mirrors, drafts)
+        random_rows = [not (m.greedy or m.seeded) for m in mirrors]      # seeded rows verify like greedy
+        greedy = torch.tensor([not r for r in random_rows], device=tl.device)
+        dt = torch.tensor([d + [-1] * (G - len(d)) for d in drafts], dtype=torch.int64).view(B, G).to(tl.device)
+        nd = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=tl.device)
         q = self._draft_probs(rids, probs_q, G, tl.shape[-1], tl.device) if probs_q else None
-        gens = [self.mirrors[r].gen for r in rids]
         if self.synthetic is not None:
             toks, acc = self._synthetic_accept(p, dt, nd)
         else:
-            toks, acc = rejection_sample_ref(p, dt, q, nd, greedy, gens)
-        return [[t for t in row if t >= 0] for row in toks.tolist()], acc.tolist()
+            toks, acc = verify(p, dt, q, nd, greedy, [m.gen for m in mirrors], random_rows)
+        rows = torch.cat((toks, acc[:, None]), 1).tolist()                             # the one copy
+        return [[t for t in row[:-1] if t >= 0] for row in rows], [row[-1] for row in rows]
 
-    def _seeded_rows_as_greedy(self, p, rids, drafts, greedy):
-        """Seeded rows of p [B, G+1, V] become Gumbel-max scores (in place) over the positions they
-        verify; they are then verified like greedy rows. Returns the greedy mask [B] to verify with."""
-        seeded = [b for b, r in enumerate(rids) if self.mirrors[r].seeded]
-        for b in seeded:
-            m, n = self.mirrors[rids[b]], len(drafts[b]) + 1
-            p[b, :n] = seeded_scores_of(m, p[b, :n], m.num_output)
-        if not seeded:
-            return greedy
-        return greedy | torch.isin(torch.arange(len(rids)), torch.tensor(seeded)).to(greedy.device)
+    @staticmethod
+    def _seeded_rows_to_scores(p, mirrors, drafts) -> None:
+        """Seeded rows of p [B, G+1, V] become Gumbel-max scores (in place) over the positions they verify;
+        their argmax is the seeded sample, so they are verified like greedy rows."""
+        for b, m in enumerate(mirrors):
+            if m.seeded:
+                n = len(drafts[b]) + 1
+                p[b, :n] = seeded_scores_of(m, p[b, :n], m.num_output)
 
     def _synthetic_accept(self, p, drafts, nd):
         """Accept each draft with a set probability (benchmarks of the control plane on random weights)."""
@@ -147,7 +152,8 @@ class Verifier(Actor):
         if m.greedy:
             return int(logits.argmax())
         temp, top_k, top_p = sampling_tensors([m.sampling], logits.device)
-        probs = transform_logits(logits[None], temp, top_k, top_p)                 # [1, V]
+        hints = SamplingHints.of_specs([m.sampling], logits.shape[-1])
+        probs = transform_logits(logits[None], temp, top_k, top_p, hints)          # [1, V]
         if m.seeded:
             return int(seeded_scores_of(m, probs, m.num_output).argmax())
         return int(sample_from(probs, [m.gen])[0])

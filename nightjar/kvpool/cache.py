@@ -106,10 +106,11 @@ class KVCache:
         raise IndexError(f"block {block} is outside the cache ({self.num_blocks} blocks)")
 
     def migrate(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy every (src, dst) block for all layers (the torch path of pool shrink).
+        """Copy every (src, dst) block for all layers (pool shrink).
 
-        Pairs are grouped by (source segment, destination segment): one gather and one scatter
-        per group, whatever the number of blocks.
+        Pairs are grouped by (source segment, destination segment). Within one segment on CUDA, one
+        launch of the Triton kernel (triton_kernels/block_migration.py); otherwise one gather and one
+        scatter per group, whatever the number of blocks.
         """
         groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for src, dst in pairs:
@@ -118,10 +119,20 @@ class KVCache:
             srcs.append(s)
             dsts.append(d)
         for (si, di), (srcs, dsts) in groups.items():
+            if si == di and self._triton():
+                from nightjar.triton_kernels.block_migration import migrate_blocks_triton
+
+                migrate_blocks_triton(self.segments[si].data, list(zip(srcs, dsts)))
+                continue
             src_idx = torch.tensor(srcs, device=self.device)
             dst_idx = torch.tensor(dsts, device=self.device)
             moved = self.segments[si].data.index_select(2, src_idx)               # [L, 2, P, bs, nkv, d]
             self.segments[di].data.index_copy_(2, dst_idx, moved)
+
+    def _triton(self) -> bool:
+        from nightjar.triton_kernels import use_triton
+
+        return use_triton() and self.device.type == "cuda"
 
     def to_host(self) -> list[torch.Tensor]:
         """Copies of the segments' data on the CPU (for draft KV offload)."""

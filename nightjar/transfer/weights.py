@@ -1,8 +1,8 @@
 """Asynchronous draft weight (and draft KV) moves between device and host memory.
 
-On CUDA: a side stream, one pinned host buffer allocated once per offload, and an event that a
-waiter thread synchronises on. On CPU: a worker thread and a host store. Either way the caller's
-event loop is told by ``loop.call_soon_threadsafe(done, result)``; nothing here blocks it.
+Every move runs on one worker thread. On CUDA the copies are issued on a side stream, and the
+worker waits for that stream (not the loop); on CPU the worker copies into a host store. Either way the
+caller's event loop is told by ``loop.call_soon_threadsafe(done, result)``; nothing here blocks it.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from nightjar.triton_kernels.weight_pack import pack_tensors, unpack_tensors
+from nightjar.transfer.weight_pack import pack_tensors, unpack_tensors
 
 
 @dataclass

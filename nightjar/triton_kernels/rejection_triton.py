@@ -1,7 +1,7 @@
 """Batched greedy + random rejection sampling in Triton, deterministic given pre-drawn noise.
 
-Same semantics as ``rejection.rejection_sample_ref``; randomness comes in as tensors instead of
-generators so nothing inside syncs with the host:
+Same semantics as the engine's torch sampler (``actors/sampler.py``, ``rejection_sample``), with noise
+of its own; randomness comes in as tensors instead of generators so nothing inside syncs with the host:
 
 * ``uniforms [B, G]`` fp32 in [0, 1): draft i of a random row is accepted iff
   ``u[i] * q[i, x] <= p[i, x]`` (compared in fp64, like the ref's Python floats).

@@ -1,10 +1,11 @@
-"""The one switch between Triton kernels and torch references."""
+"""The one switch between Triton kernels and torch references, and where the engine uses it."""
 import subprocess
 import sys
 
 import torch
 
 import nightjar.triton_kernels as tk
+from nightjar.kvpool.cache import KVCache
 
 
 def test_triton_is_used_only_with_cuda_and_without_the_opt_out(monkeypatch):
@@ -18,28 +19,18 @@ def test_triton_is_used_only_with_cuda_and_without_the_opt_out(monkeypatch):
     assert not tk.use_triton()
 
 
-def test_the_dispatch_helpers_stay_functions_after_the_kernel_modules_are_imported():
-    import nightjar.triton_kernels.kv_store  # noqa: F401
-    import nightjar.triton_kernels.paged_attention  # noqa: F401
-    assert callable(tk.run_paged_attention) and callable(tk.run_kv_store) and callable(tk.run_migrate_blocks)
+def test_cpu_caches_migrate_with_torch_even_when_triton_is_on(monkeypatch):
+    monkeypatch.setattr(tk, "_cuda", lambda: True)               # a CPU cache never takes the kernel
+    cache = KVCache(2, 1, 8, 4, 6, torch.float32, "cpu")
+    data = cache.segments[0].data
+    data.copy_(torch.randn(data.shape))
+    before = data.clone()
+    cache.migrate([(5, 0), (4, 1)])
+    assert torch.equal(data[:, :, 0], before[:, :, 5]) and torch.equal(data[:, :, 1], before[:, :, 4])
+    assert torch.equal(data[:, :, 2:], before[:, :, 2:])
 
 
-def test_cpu_tensors_go_to_the_references():
-    k_cache = torch.zeros(2, 4, 1, 8)
-    v_cache = torch.zeros(2, 4, 1, 8)
-    k = torch.randn(3, 1, 8)
-    tk.run_kv_store(k, k, k_cache, v_cache, torch.tensor([5, -1, 0]))
-    assert torch.equal(k_cache.view(-1, 1, 8)[5], k[0]) and torch.equal(v_cache.view(-1, 1, 8)[0], k[2])
-    q = torch.randn(2, 2, 8)
-    out = tk.run_paged_attention(q, k_cache, v_cache, torch.tensor([[1, 0]]), torch.tensor([0, 2]),
-                             torch.tensor([6]), 0.5)
-    assert out.shape == q.shape and not out.isnan().any()
-    data = torch.randn(1, 2, 3, 4, 1, 8)
-    tk.run_migrate_blocks(data, [(2, 0)])
-    assert torch.equal(data[:, :, 0], data[:, :, 2])
-
-
-def test_importing_the_package_and_the_torch_rejection_reference_does_not_import_triton():
-    code = ("import sys, nightjar.triton_kernels, nightjar.triton_kernels.rejection; "
+def test_importing_the_package_and_the_engine_sampler_does_not_import_triton():
+    code = ("import sys, nightjar.triton_kernels, nightjar.actors.sampler, nightjar.kvpool.cache; "
             "sys.exit('triton' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,10 +1,10 @@
 """Rejection sampling kernel: exact agreement with the noise reference, agreement with the
-engine's rejection_sample_ref where the outcome is deterministic, and the target distribution."""
+engine's torch sampler (actors/sampler.py) where the outcome is deterministic, and the target distribution."""
 import pytest
 import torch
 
 from nightjar.triton_kernels import rejection_triton as rt
-from nightjar.triton_kernels.rejection import rejection_sample_ref
+from nightjar.actors.sampler import rejection_sample
 from nightjar.triton_kernels.rejection_triton import (
     draw_noise, rejection_sample_noise_ref, rejection_sample_triton,
 )
@@ -30,6 +30,12 @@ def make_batch(B, G, V, *, seed=0, greedy=None, num_draft=None, device="cpu"):
                       (~greedy).tolist(), G, V, "cpu")
     to = lambda *xs: [x.to(device) for x in xs]  # noqa: E731
     return to(p, drafts, q, nd, greedy, u, e)
+
+
+def engine_sample(p, d, q, nd, greedy):
+    """The engine's torch sampler on the CPU, with its own uniforms."""
+    u = torch.rand(p.shape[0], p.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    return rejection_sample(p.cpu(), d.cpu(), None if q is None else q.cpu(), nd.cpu(), greedy.cpu(), u)
 
 
 def run_poisoned(monkeypatch, *args):
@@ -58,7 +64,7 @@ def test_mixed_greedy_and_random_rows_match_the_noise_reference(dtype, device, m
 def test_greedy_rows_match_the_engine_reference_exactly(device):
     p, d, q, nd, greedy, u, e = make_batch(6, 3, 30, seed=1, greedy=[True] * 6, device=device)
     out, acc = rejection_sample_triton(p, d, None, nd, greedy, None, None)
-    want_out, want_acc = rejection_sample_ref(p.cpu(), d.cpu(), None, nd.cpu(), greedy.cpu(), [None] * 6)
+    want_out, want_acc = engine_sample(p, d, None, nd, greedy)
     assert torch.equal(out.cpu(), want_out) and torch.equal(acc.cpu(), want_acc)
 
 
@@ -81,7 +87,7 @@ def test_all_drafts_accepted_gives_a_bonus_token(device):
     assert torch.equal(out, want_out) and (acc == G).all()
     assert torch.equal(out[:, :G], d)
     assert torch.equal(out[greedy, G], p[greedy, G].argmax(-1))
-    ref_out, ref_acc = rejection_sample_ref(p.cpu(), d.cpu(), q.cpu(), nd.cpu(), greedy.cpu(), [None] * B)
+    ref_out, ref_acc = engine_sample(p, d, q, nd, greedy)
     assert torch.equal(ref_acc, acc.cpu()) and torch.equal(ref_out[greedy.cpu()], out[greedy].cpu())
 
 
@@ -100,7 +106,7 @@ def test_all_drafts_rejected_resamples_from_the_residual_like_the_engine_referen
     args = [x.to(device) for x in (p, d, q, nd, greedy, u, e)]
     out, acc = rejection_sample_triton(*args)
     want_out, want_acc = rejection_sample_noise_ref(*args)
-    ref_out, ref_acc = rejection_sample_ref(p, d, q, nd, greedy, [torch.Generator().manual_seed(0)] * B)
+    ref_out, ref_acc = engine_sample(p, d, q, nd, greedy)
     assert torch.equal(out, want_out) and not acc.any()
     assert torch.equal(out[~greedy].cpu(), ref_out[~greedy])      # random rows: token 7, then -1
     assert (out[~greedy, 0] == 7).all() and (out[:, 1:] == -1).all()

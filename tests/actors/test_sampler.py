@@ -1,11 +1,13 @@
-"""The torch sampling reference: the top-k/top-p fast path equals the full sort, inverse-CDF draws follow
-the distribution and never pick a zero-probability token, and verification emits p's distribution."""
+"""The model actors' torch sampler: the top-k/top-p fast path equals the full sort, inverse-CDF and
+Gumbel-max draws follow the distribution and never pick a zero-probability token, and verification
+emits p's distribution whatever the draft."""
 from __future__ import annotations
 
 import torch
 
-from nightjar.triton_kernels.rejection import (
-    _inverse_cdf, _sorted_probs, gumbel_noise, rejection_sample_ref, sample_from, seeded_scores, transform_logits,
+from nightjar.actors.sampler import (
+    _inverse_cdf, _sorted_probs, draw_uniforms, gumbel_noise, rejection_sample, sample_from, seeded_scores,
+    transform_logits, verify,
 )
 
 
@@ -57,18 +59,36 @@ def test_sample_from_is_reproducible_per_generator():
 
 
 def test_verification_emits_the_target_distribution_whatever_the_draft():
-    V, G = 5, 2
-    p = torch.tensor([[0.1, 0.4, 0.2, 0.3, 0.0]] * (G + 1))                  # [G+1, V]
-    q = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.1]] * G)                         # [G, V]
+    V, G, n = 5, 2, 20000
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.3, 0.0]] * (G + 1)).expand(n, G + 1, V)    # [n, G+1, V]
+    q = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.1]] * G).expand(n, G, V)              # [n, G, V]
     gen = torch.Generator().manual_seed(3)
-    first = torch.zeros(V)
-    n = 6000
-    for _ in range(n):
-        qs = torch.multinomial(q[0], G, replacement=True, generator=gen)      # drafts from q
-        toks, _ = rejection_sample_ref(p[None], qs[None], q[None], torch.tensor([G]),
-                                       torch.tensor([False]), [gen])
-        first[toks[0, 0]] += 1
-    assert torch.allclose(first / n, p[0], atol=0.025)
+    drafts = torch.multinomial(q[0, 0], n * G, replacement=True, generator=gen).view(n, G)
+    u = torch.rand(n, G + 1, dtype=torch.float64, generator=gen)
+    toks, acc = rejection_sample(p, drafts, q, torch.full((n,), G), torch.zeros(n, dtype=torch.bool), u)
+    for pos in range(G + 1):                     # every emitted position, given it was reached
+        reached = toks[:, pos] >= 0
+        freq = torch.bincount(toks[reached, pos], minlength=V).float() / int(reached.sum())
+        assert torch.allclose(freq, p[0, 0], atol=0.02), (pos, freq)
+    assert ((toks >= 0).sum(-1) == acc + 1).all() and 0 < acc.float().mean() < G
+
+
+def test_greedy_rows_accept_the_matching_prefix_and_add_the_argmax():
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0))     # [B, G+1, V]
+    argmax = logits.argmax(-1)
+    drafts = argmax[:, :3].clone()
+    drafts[0, 1] = (drafts[0, 1] + 1) % 50                                       # row 0: reject at 1
+    nd = torch.tensor([3, 3, 2])                                                  # row 2: two drafts
+    toks, acc = verify(logits, drafts, None, nd, torch.ones(3, dtype=torch.bool), [None] * 3, [False] * 3)
+    assert acc.tolist() == [1, 3, 2]
+    assert toks[0].tolist() == [argmax[0, 0].item(), argmax[0, 1].item(), -1, -1]
+    assert toks[1].tolist() == argmax[1].tolist() and toks[2, :3].tolist() == argmax[2, :3].tolist()
+
+
+def test_only_random_rows_draw_from_their_generators():
+    gens = [torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(1)]
+    u = draw_uniforms(gens, [True, False, True], 4, "cpu")
+    assert torch.equal(u[0], u[2]) and not u[1].any() and (u[0] > 0).all()
 
 
 def test_gumbel_max_follows_the_distribution_and_skips_zero_mass():

@@ -1,7 +1,8 @@
 """Weight packing: one host buffer, one copy, exact round trip."""
+import pytest
 import torch
 
-from nightjar.triton_kernels.weight_pack import ALIGN, pack_tensors, unpack_tensors
+from nightjar.transfer.weight_pack import ALIGN, pack_tensors, unpack_tensors
 
 
 def sample_tensors():
@@ -16,6 +17,11 @@ def sample_tensors():
         torch.zeros(0, 4),                                    # empty
         torch.randn(4, 6, generator=g).t(),                   # non-contiguous
     ]
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_unpacking_returns_equal_tensors_with_the_same_shapes_and_dtypes(device):
