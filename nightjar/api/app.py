@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from nightjar.api.connections import ConnectionGuard, GuardedSite, ParserErrorLog, ServerLimits
 from nightjar.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -240,6 +241,10 @@ async def read_body(request: web.Request) -> bytes:
     try:
         async with asyncio.timeout(seconds):
             return await request.read()
+    except RequestPayloadError as e:           # e.g. a Content-Encoding that does not decode
+        cause = e.__cause__ or e
+        why = " ".join(str(getattr(cause, "message", "") or cause).split())[:200] or type(cause).__name__
+        raise ApiError(f"could not read the request body: {why}", 400, code="invalid_body") from None
     except TimeoutError:
         log.info("dropped client %s: request body not received within %g s", request.remote, seconds)
         guard.drop_after_response(guard.connection_of(request))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("nightjar.api")
 
@@ -184,15 +185,16 @@ class GuardedSite(web.BaseSite):
 
 class ParserErrorLog(logging.LoggerAdapter):
     """aiohttp's server logger with one change: a request its HTTP parser rejects (a header over the size
-    limit, Transfer-Encoding with Content-Length, ...) is one INFO line, not a traceback at ERROR."""
+    limit, Transfer-Encoding with Content-Length, a body that does not decode, ...) is one INFO line, not a
+    traceback at ERROR."""
 
     def __init__(self, logger: logging.Logger | None = None) -> None:
         super().__init__(logger or logging.getLogger("aiohttp.server"), {})
 
     def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
-        if isinstance(exc_info, HttpProcessingError):
-            peer = args[0] if args else "?"
+        if isinstance(exc_info, (HttpProcessingError, RequestPayloadError)):
+            peer = f" from {args[0]}" if args else ""
             why = " ".join(str(getattr(exc_info, "message", "") or exc_info).split())[:200]
-            log.info("rejected a malformed request from %s: %s (%s)", peer, why, type(exc_info).__name__)
+            log.info("rejected a malformed request%s: %s (%s)", peer, why, type(exc_info).__name__)
             return
         self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)

@@ -108,7 +108,9 @@ async def test_connections_over_the_cap_get_a_503_and_the_server_keeps_serving(s
     b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
-], ids=["1MB-header", "transfer-encoding-and-content-length"])
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+    b"Content-Length: 5\r\n\r\nabcde",
+], ids=["1MB-header", "transfer-encoding-and-content-length", "gzip-body-that-does-not-decode"])
 async def test_a_request_refused_by_the_http_parser_logs_one_line_without_traceback(serve, caplog, request_bytes):
     caplog.set_level(logging.DEBUG)
     srv = await serve("off")
@@ -164,3 +166,21 @@ async def test_a_body_of_30k_empty_messages_is_templated_off_the_event_loop(serv
     assert r.status == 400 and err["code"] == "context_length_exceeded"      # 150k tokens > 1024
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
     assert health and set(health) == {200}
+
+
+async def test_the_head_deadline_spares_a_long_request_and_an_idle_kept_alive_connection(serve, caplog):
+    caplog.set_level(logging.INFO)
+    srv = await serve("off", limits=FAST)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    conn = aiohttp.TCPConnector(limit=1)               # one connection, kept alive across the requests
+    async with aiohttp.ClientSession(srv.url, connector=conn) as s:
+        t0 = time.monotonic()
+        async with s.post("/v1/completions", json=body) as r:
+            events = [e for e in (await r.text()).split("\n\n") if e]
+        assert r.status == 200 and events[-1] == "data: [DONE]"
+        assert time.monotonic() - t0 > FAST.header_timeout_s            # outlived the head deadline
+        await asyncio.sleep(2 * FAST.header_timeout_s)                  # idle, kept alive
+        async with s.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False}) as r:
+            assert r.status == 200
+        assert len(srv.app[STATE].guard.open) == 1
+    assert not [r for r in server_records(caplog) if "dropped client" in r.getMessage()]
