@@ -99,10 +99,6 @@ class MemoryPlan:
     draft_num_blocks: int
 
     @property
-    def kv_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    @property
     def draft_footprint(self) -> int:
         return self.draft_bytes + self.draft_kv_bytes
 

@@ -1,4 +1,7 @@
-"""Clocks: actors read time only from envelopes stamped by the bus with one of these."""
+"""Clocks: the bus stamps every envelope with one of these, and actors take the time of an event from
+its envelope (so replay and simulation see the recorded times). The model actors also time their own
+compute with ``time.perf_counter`` (the verifier and draft executor, the KV actor's pool resizes); those
+durations travel in messages (StepTimed, StepDrafted, PoolResized), so replay reads them, never a clock."""
 from __future__ import annotations
 
 import time
@@ -22,9 +25,6 @@ class VirtualClock:
 
     def now(self) -> float:
         return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
     def set(self, t: float) -> None:
         self.t = max(self.t, t)

@@ -11,8 +11,8 @@ ascending order; freed blocks are pushed back on top of their segment's
 stack (LIFO), so after frees ordering within a segment is not sorted, but
 live blocks still cluster in the low segments, which keeps shrinking cheap.
 
-Each block carries a refcount (number of block-table references) so that
-blocks can be shared (:meth:`fork`); a block is free iff its refcount is 0.
+Each block carries a refcount (number of block-table references; no block is shared
+today, so it is 0 or 1); a block is free iff its refcount is 0, which ``check_integrity`` verifies.
 Allocation and release are O(1) per block (plus O(#segments) to find a
 non-empty stack, and the number of segments is small).
 """
@@ -133,9 +133,6 @@ class BlockAllocator:
         have = len(seq.table) if seq is not None else 0
         return max(0, -(-num_tokens // self._bs) - have)
 
-    def can_reserve(self, seq_id: int, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= self._num_free
-
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Grow ``seq_id``'s table to cover ``num_tokens`` slots; all-or-nothing."""
         need = self.blocks_needed(seq_id, num_tokens)
@@ -144,10 +141,6 @@ class BlockAllocator:
                 f"seq {seq_id!r}: need {need} blocks for {num_tokens} tokens, only {self._num_free} free")
         seq = self._seqs.setdefault(seq_id, _Seq())
         seq.table.extend(self._alloc(need))
-
-    def capacity(self, seq_id: int) -> int:
-        """Number of token slots covered by ``seq_id``'s block table."""
-        return len(self._seq(seq_id).table) * self._bs
 
     def commit(self, seq_id: int, num_tokens: int) -> None:
         """Record that slots ``[0, num_tokens)`` hold valid KV (non-decreasing, <= capacity)."""
@@ -180,33 +173,6 @@ class BlockAllocator:
 
     def block_table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._seq(seq_id).table)
-
-    def slot(self, seq_id: int, pos: int) -> int:
-        """Flat slot id of token position ``pos`` (must be within capacity)."""
-        table = self._seq(seq_id).table
-        if not 0 <= pos < len(table) * self._bs:
-            raise KVPoolError(f"seq {seq_id!r}: position {pos} outside capacity {len(table) * self._bs}")
-        return table[pos // self._bs] * self._bs + pos % self._bs
-
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slot ids for token positions ``[start, end)``."""
-        table = self._seq(seq_id).table
-        bs = self._bs
-        if not 0 <= start <= end <= len(table) * bs:
-            raise KVPoolError(f"seq {seq_id!r}: range [{start}, {end}) outside capacity {len(table) * bs}")
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def fork(self, src_seq: int, dst_seq: int) -> None:
-        """Make ``dst_seq`` (new) share all of ``src_seq``'s blocks (refcount + 1).
-
-        Copy-on-write of a shared partial last block is the caller's concern.
-        """
-        src = self._seq(src_seq)
-        if dst_seq in self._seqs:
-            raise KVPoolError(f"fork target seq {dst_seq!r} already exists")
-        for b in src.table:
-            self._refcount[b] += 1
-        self._seqs[dst_seq] = _Seq(list(src.table), src.committed)
 
     def free(self, seq_id: int) -> int:
         """Drop ``seq_id`` and its references; return how many blocks became free."""

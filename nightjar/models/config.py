@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +33,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * self.q_size * 2 + h * self.kv_size * 2
-        layer = attn + 3 * h * i + 2 * h
-        head = 0 if self.tie_embeddings else v * h
-        return v * h + self.num_layers * layer + h + head
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` of a LlamaForCausalLM with this shape."""
@@ -94,7 +83,3 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
 def load_hf_config(path: str | Path) -> ModelConfig:
     return config_from_hf(json.loads(Path(path).read_text()))
-
-
-def config_to_json(cfg: ModelConfig) -> str:
-    return json.dumps(asdict(cfg), sort_keys=True)
