@@ -202,14 +202,16 @@ def test_without_a_draft_or_draft_blocks_nothing_moves_by_itself():
 # ---- with a real transfer on a live loop --------------------------------------------------------
 async def test_a_mover_with_a_real_transfer_releases_the_draft_after_the_copy_and_restores_it():
     cfg = tiny_config(vocab=64, hidden=32, layers=2, heads=4, kv=2, eos=())
-    model = random_model(cfg, seed=3)
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 8, torch.float32)
-    cache.segments[0].data.normal_(generator=torch.Generator().manual_seed(4))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = random_model(cfg, seed=3).to(dev)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 8, torch.float32, dev)
+    seg = cache.segments[0].data
+    seg.copy_(torch.randn(seg.shape, generator=torch.Generator().manual_seed(4)))
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     kv = cache.segments[0].data.clone()
     nbytes = model.weight_bytes()
 
-    m = mover(slot=DraftSlot(model, cache, torch.device("cpu")))
+    m = mover(slot=DraftSlot(model, cache, dev))
     bus = Bus(VirtualClock())
     box: list = []
     bus.add_tap(lambda env: box.append(env) if isinstance(env.msg, TransferFinished) else None)

@@ -1,6 +1,8 @@
-"""DraftTransfer and release_draft (transfer/weights.py) on CPU, on a tiny random fp32 draft and its paged
-KV cache: offload -> release -> reload gives back the draft's weights and KV bytes exactly (and the same
-logits), ``done`` runs on the event loop's thread, and release_draft frees exactly what it reports."""
+"""DraftTransfer and release_draft (transfer/weights.py) on a tiny random fp32 draft and its paged KV cache:
+offload -> release -> reload gives back the draft's weights and KV bytes exactly (and the same logits),
+``done`` runs on the event loop's thread, and release_draft frees exactly what it reports.
+
+The draft lives on CUDA when there is one (DraftTransfer then takes its side-stream path), else on the CPU."""
 from __future__ import annotations
 
 import asyncio
@@ -13,23 +15,25 @@ from nightjar.actors.weights import DraftSlot
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout
+from nightjar.transfer import weights as transfer_mod
 from nightjar.transfer.weights import DraftTransfer, HostCopy, release_draft
 from tests.conftest import random_model, tiny_config
 
 BLOCK = 4
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TIMEOUT = 10.0
 
 
 def make_slot(num_blocks: int = 6, extra_segment: int = 0) -> DraftSlot:
     cfg = tiny_config(vocab=96, hidden=32, layers=2, heads=4, kv=2, eos=())
-    model = random_model(cfg, seed=5)
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, num_blocks, torch.float32)
+    model = random_model(cfg, seed=5).to(DEV)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, num_blocks, torch.float32, DEV)
     if extra_segment:
         cache.add_segment(extra_segment)
     g = torch.Generator().manual_seed(9)
     for seg in cache.segments:                       # every byte of the KV is distinct random data
         seg.data.copy_(torch.randn(seg.data.shape, generator=g))
-    return DraftSlot(model, cache, torch.device("cpu"))
+    return DraftSlot(model, cache, DEV)
 
 
 def snapshot(slot: DraftSlot):
@@ -40,7 +44,7 @@ def snapshot(slot: DraftSlot):
 
 def logits_of(slot: DraftSlot) -> torch.Tensor:
     """Decode one token at position 5 of a sequence whose first 5 positions sit in blocks 0-1 (random KV)."""
-    lay = build_layout([[7, 3]], [5], [(0, 1)], BLOCK, [2])
+    lay = build_layout([[7, 3]], [5], [(0, 1)], BLOCK, [2], device=DEV)
     return slot.model(lay, slot.cache)                                   # [2, V]
 
 
@@ -67,6 +71,7 @@ async def test_offload_release_reload_round_trips_weights_and_kv_bytes_exactly(e
         host, secs, _ = await offload(tr, slot)
         assert secs > 0
         assert [t.shape for t in host.kv] == [t.shape for t in kv] and all(t.device.type == "cpu" for t in host.kv)
+        assert host.buffer.device.type == "cpu"
         assert host.nbytes == host.buffer.numel() + kv_bytes and host.buffer.numel() >= weight_bytes
         assert release_draft(slot) == weight_bytes + kv_bytes
         n, secs, _ = await reload(tr, slot, host)
@@ -103,20 +108,18 @@ async def test_the_host_copy_does_not_alias_the_draft_s_tensors():
     assert torch.equal(slot.cache.segments[0].data, kv[0])
 
 
-async def test_done_callbacks_run_on_the_loop_thread_and_the_copies_on_the_transfer_worker():
+async def test_done_callbacks_run_on_the_loop_thread_and_the_copies_on_the_transfer_worker(monkeypatch):
     slot = make_slot()
     copy_threads: list[str] = []
-    to_host, restore = slot.cache.to_host, slot.cache.restore
 
-    def watched_to_host():
-        copy_threads.append(threading.current_thread().name)
-        return to_host()
+    def watched(fn):
+        def run(*args):
+            copy_threads.append(threading.current_thread().name)
+            return fn(*args)
+        return run
 
-    def watched_restore(host):
-        copy_threads.append(threading.current_thread().name)
-        return restore(host)
-
-    slot.cache.to_host, slot.cache.restore = watched_to_host, watched_restore
+    monkeypatch.setattr(transfer_mod, "pack_tensors", watched(transfer_mod.pack_tensors))
+    monkeypatch.setattr(transfer_mod, "unpack_tensors", watched(transfer_mod.unpack_tensors))
     loop_thread = threading.get_ident()
     tr = DraftTransfer(asyncio.get_running_loop())
     try:
@@ -152,7 +155,7 @@ def test_a_reloaded_draft_decodes_like_the_original_on_a_fresh_allocation():
     slot = make_slot()
     alloc = BlockAllocator(6, BLOCK)
     alloc.reserve(1, 9)
-    lay = build_layout([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [0], [alloc.block_table(1)], BLOCK, [1])
+    lay = build_layout([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [0], [alloc.block_table(1)], BLOCK, [1], device=DEV)
     ref = slot.model(lay, slot.cache)                                   # [1, V]
 
     async def cycle():
@@ -164,19 +167,19 @@ def test_a_reloaded_draft_decodes_like_the_original_on_a_fresh_allocation():
         finally:
             tr.shutdown()
     asyncio.run(cycle())
-    again = build_layout([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [0], [alloc.block_table(1)], BLOCK, [1])
+    again = build_layout([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [0], [alloc.block_table(1)], BLOCK, [1], device=DEV)
     assert torch.equal(slot.model(again, slot.cache), ref)
 
 
 @pytest.mark.xfail(strict=True, reason="DraftTransfer._run is submitted and its future dropped: an exception in "
                    "a copy is swallowed, done never runs and the weight mover waits in OFFLOADING forever")
-async def test_a_failed_copy_is_not_lost():
+async def test_a_failed_copy_is_not_lost(monkeypatch):
     slot = make_slot()
 
-    def broken():
+    def broken(tensors):
         raise MemoryError("host allocation failed")
 
-    slot.cache.to_host = broken
+    monkeypatch.setattr(transfer_mod, "pack_tensors", broken)
     loop = asyncio.get_running_loop()
     reported: list[object] = []
     loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx.get("exception")))
