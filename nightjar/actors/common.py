@@ -66,6 +66,16 @@ class RequestMirrors:
                 done.append(rid)
         return done
 
+    def observe(self, msg) -> list[int] | None:
+        """Keep the mirrors current. Returns the finished ids for a TokensCommitted, [] for a
+        RequestAdmitted, None for any other message (the actor's own to handle)."""
+        if isinstance(msg, RequestAdmitted):
+            self.admit(msg)
+            return []
+        if isinstance(msg, TokensCommitted):
+            return self.commit(msg)
+        return None
+
     def __getitem__(self, rid: int) -> ReqMirror:
         return self.reqs[rid]
 

@@ -43,11 +43,11 @@ class DraftExecutor(Actor):
         self.sched: StepScheduled | None = None
 
     def handle(self, msg, now):
+        done = self.mirrors.observe(msg)
+        if done is not None:
+            self._forget(done)
+            return None
         match msg:
-            case RequestAdmitted():
-                self.mirrors.admit(msg)
-            case TokensCommitted():
-                self._forget(self.mirrors.commit(msg))
             case RequestsPreempted():
                 self._forget(msg.req_ids)
             case StepScheduled():

@@ -33,11 +33,9 @@ class Verifier(Actor):
         self.reserved: BlocksReserved | None = None
 
     def handle(self, msg, now):
+        if self.mirrors.observe(msg) is not None:
+            return None
         match msg:
-            case RequestAdmitted():
-                self.mirrors.admit(msg)
-            case TokensCommitted():
-                self.mirrors.commit(msg)
             case StepScheduled():
                 self.sched, self.reserved = msg, None
             case BlocksReserved() if self.sched and msg.step == self.sched.step:
