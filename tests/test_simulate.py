@@ -89,7 +89,11 @@ def test_simulator_tracks_a_measured_engine_run_on_this_machine(tiny_pair):
     real, sim = compare(lambda **k: Engine(policy="fixed:2", max_num_seqs=16, gamma_max=4, **kw, **k), prof, wl,
                         "fixed:2", gamma_max=4, max_num_seqs=16, num_blocks=256, elastic_memory=False)
     print(format_compare(real, sim))
-    # How close they are is a benchmark (python -m nightjar.sim.validate), not a timed test: here both
-    # runs complete the same requests and give finite, positive figures.
-    assert sim.finished == real.finished > 0
-    assert sim.throughput > 0 and real.throughput > 0 and sim.mean_e2e_s > 0 and real.mean_e2e_s > 0
+    # How close they are is a benchmark (python -m nightjar.sim.validate), not a timed test. Here: both
+    # runs complete the same requests with the same γ, and this open-loop load (far below what even a
+    # slow CI machine serves) is arrival-bound, so the throughputs agree within a factor far wider
+    # than any noise yet narrow enough to catch a simulator that mis-times steps or requests.
+    assert sim.finished == real.finished == len(wl)
+    assert sim.mean_gamma == real.mean_gamma == 2.0
+    assert 0.5 < sim.throughput / real.throughput < 2.0
+    assert 0.2 < sim.mean_e2e_s / real.mean_e2e_s < 5.0
