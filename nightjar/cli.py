@@ -8,6 +8,10 @@ import logging
 import sys
 import time
 
+from nightjar.config_check import check_config
+from nightjar.kernel.config import EngineConfig
+from nightjar.sampling import ConfigError
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -46,7 +50,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from nightjar.sampling import SamplingParams
 
     async def run():
-        async with Engine(**engine_kwargs(a)) as eng:
+        async with Engine(**engine_kwargs(a), trace=a.trace) as eng:
             prompt = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
             params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed_sampling,
                                     top_p=a.top_p, top_k=a.top_k, stop=a.stop or [])
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATED:          # these parse their own flags (argparse would eat "--x")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return importlib.import_module(DELEGATED[argv[0]]).main(argv[1:]) or 0
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(a, "api_key", None) is None and a.cmd == "serve":
@@ -182,7 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         a.api_key = os.environ.get("NIGHTJAR_API_KEY")
     if getattr(a, "seed", None) is not None and a.cmd == "generate" and a.seed_sampling is None:
         a.seed_sampling = a.seed
-    return a.func(a) or 0
+    try:
+        if hasattr(a, "policy"):                 # engine flags: checked before any model loads
+            check_config(EngineConfig(**engine_kwargs(a)))
+        return a.func(a) or 0
+    except ConfigError as e:
+        print(f"nightjar {a.cmd}: error: argument {e.flag}: {e.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from nightjar.actors.admission import context_limit
 from nightjar.actors.draft import DraftBuffers, DraftExecutor
 from nightjar.actors.verifier import Verifier
 from nightjar.actors.weights import DraftSlot
+from nightjar.config_check import check_config
 from nightjar.detok import IncrementalText
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.bus import Bus
@@ -157,6 +158,7 @@ class Engine:
 
     def _build(self) -> None:
         c = self.config
+        check_config(c, models=self._loaded is None)
         self.target, self.draft = self._load()
         self.tokenizer = self.target.tokenizer
         self.memory = plan_memory(c, self.target, self.draft)

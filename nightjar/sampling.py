@@ -50,3 +50,15 @@ class RequestError(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid; ``field`` is the EngineConfig field (the CLI flag ``--field-name``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")

@@ -27,3 +27,50 @@ def test_serve_client_limits_have_defaults_and_bad_values_exit_2_without_traceba
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert flag in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "hi", "--policy", "fixed:5"], "--policy"),
+    (["generate", "hi", "--policy", "nosuch"], "--policy"),
+    (["generate", "hi", "--gamma-max", "99"], "--gamma-max"),
+    (["generate", "hi", "--model", "/no/such/model.gguf"], "--model"),
+    (["generate", "hi", "--draft", "/no/such/draft"], "--draft"),
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["serve", "--block-size", "-4"], "--block-size"),
+    (["serve", "--device-memory", "0"], "--device-memory"),
+])
+def test_bad_engine_flags_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"argument {flag}:" in err and "Traceback" not in err
+
+
+def test_the_module_entry_point_returns_the_exit_code():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "nightjar", "generate", "hi", "--policy", "fixed:9"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "fixed:K needs 0 <= K <= gamma_max=4" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_trace_writes_the_run_to_the_file(tmp_path, capsys, smollm2_path):
+    from nightjar.kernel.messages import StepTimed
+    from nightjar.kernel.trace import TraceReader
+
+    path = tmp_path / "gen.njtrace"
+    assert main(["generate", "hi", "--policy", "off", "--draft", "none", "--dtype", "float32",
+                 "--max-tokens", "3", "--json", "--trace", str(path)]) == 0
+    steps = [e.msg for e in TraceReader(str(path)) if isinstance(e.msg, StepTimed)]
+    assert len(steps) >= 3 and all(s.gamma == 0 for s in steps)
+
+
+def test_an_engine_with_a_bad_setting_fails_before_loading_anything():
+    import asyncio
+
+    from nightjar.engine import Engine
+    from nightjar.sampling import ConfigError
+
+    with pytest.raises(ConfigError, match="fixed:K needs") as e:
+        asyncio.run(Engine(model="/no/such/model", policy="fixed:7").start())
+    assert e.value.field == "policy"

@@ -1,0 +1,68 @@
+"""Validate an EngineConfig at the edge (CLI, server start, embedded Engine) before anything loads: each
+mistake becomes a ConfigError naming the field (the CLI prints it as its flag) and the allowed values."""
+from __future__ import annotations
+
+from nightjar.kernel.config import EngineConfig
+from nightjar.sampling import ConfigError
+
+DTYPES = ("bfloat16", "float32", "float16")
+MAX_GAMMA = 16
+POSITIVE = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue",
+            "persist_steps", "trace_max_bytes")
+
+
+def check_config(cfg: EngineConfig, models: bool = True) -> None:
+    """Raise the first ConfigError of ``cfg``; ``models`` also checks that the model and draft exist."""
+    for check in (_numbers, _dtype_device, _policy) + ((_models,) if models else ()):
+        check(cfg)
+
+
+def _numbers(c: EngineConfig) -> None:
+    for name in POSITIVE:
+        if getattr(c, name) < 1:
+            raise ConfigError(name, f"must be a positive integer, got {getattr(c, name)}")
+    for name in ("num_blocks", "device_memory"):
+        if getattr(c, name) is not None and getattr(c, name) <= 0:
+            raise ConfigError(name, f"must be > 0, got {getattr(c, name)}")
+    if not 0 <= c.gamma_max <= MAX_GAMMA:
+        raise ConfigError("gamma_max", f"must be in 0..{MAX_GAMMA}, got {c.gamma_max}")
+    if not 0 <= c.low_free_frac < 1:
+        raise ConfigError("low_free_frac", f"must be in [0, 1), got {c.low_free_frac}")
+    if c.synthetic_acceptance is not None and not 0 <= c.synthetic_acceptance <= 1:
+        raise ConfigError("synthetic_acceptance", f"must be in [0, 1], got {c.synthetic_acceptance}")
+
+
+def _dtype_device(c: EngineConfig) -> None:
+    import torch
+
+    if c.dtype not in DTYPES:
+        raise ConfigError("dtype", f"choose from {', '.join(DTYPES)}; got {c.dtype!r}")
+    try:
+        dev = torch.device(c.device)
+    except RuntimeError:
+        raise ConfigError("device", f"'cpu' or 'cuda[:N]', got {c.device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError("device", f"'cpu' or 'cuda[:N]', got {c.device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda was asked for but this machine has no CUDA device")
+
+
+def _policy(c: EngineConfig) -> None:
+    from nightjar.actors.policies import make_policy
+
+    try:
+        make_policy(c.policy, c.gamma_max, c.seed)
+    except ValueError as e:
+        raise ConfigError("policy", str(e)) from None
+
+
+def _models(c: EngineConfig) -> None:
+    from nightjar.models import resolve_model_path
+
+    for name, spec in (("model", c.model), ("draft", c.draft)):
+        if spec in (None, "", "none", "default", "random") and name == "draft":
+            continue
+        try:
+            resolve_model_path(spec)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(name, str(e)) from None
