@@ -14,25 +14,27 @@ from nightjar.sampling import ConfigError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()                       # the defaults live in one place: EngineConfig
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint dir")
-    g.add_argument("--draft", default="default", help='draft model: "default" (shipped), a path, or "none"')
-    g.add_argument("--policy", default="nightjar",
-                   help="speculation policy: nightjar, nightjar-nooffload, off, fixed:K, table:..., dsd, banditspec")
-    g.add_argument("--gamma-max", type=int, default=4, help="largest number of draft tokens per step")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--device-memory", type=float, default=None,
+    g.add_argument("--model", default=d.model, help="registered name, .gguf file or HF checkpoint dir")
+    g.add_argument("--draft", default=d.draft, help='draft model: "default" (shipped), a path, or "none"')
+    g.add_argument("--policy", default=d.policy,
+                   help="speculation policy: nightjar, nightjar-nooffload, nightjar-paper, off, fixed:K, "
+                        "table:..., dsd, banditspec")
+    g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="largest number of draft tokens per step")
+    g.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--device", default=d.device, help="cpu or cuda")
+    g.add_argument("--device-memory", type=float, default=d.device_memory,
                    help="memory budget for weights + KV: bytes (>1) or a fraction of the device (<=1)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the budget)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-model-len", type=int, default=2048,
+    g.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV pool size in blocks (overrides the budget)")
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context per request; capped by the KV pool with the draft resident (a warning says so)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429s")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--trace", default=None, help="record every bus envelope to this file")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests in flight before 429s")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--trace", default=d.trace, help="record every bus envelope to this file")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:

@@ -134,11 +134,15 @@ def plan_memory(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | Non
     return MemoryPlan(budget, target.model.weight_bytes(), dbytes, d_blocks * d_block_bytes, block, int(n), d_blocks)
 
 
+_DEFAULTS = EngineConfig()         # Engine's positional defaults are EngineConfig's
+
+
 class Engine:
     """``async with Engine(model=..., draft=..., policy=...) as engine: async for out in engine.generate(...)``."""
 
-    def __init__(self, model: str = "smollm2-135m", draft: str | None = "default", policy: str = "nightjar",
-                 *, loaded: tuple[LoadedModel, LoadedModel | None] | None = None, **kwargs: Any):
+    def __init__(self, model: str = _DEFAULTS.model, draft: str | None = _DEFAULTS.draft,
+                 policy: str = _DEFAULTS.policy, *, loaded: tuple[LoadedModel, LoadedModel | None] | None = None,
+                 **kwargs: Any):
         self.config = EngineConfig(model=str(model), draft=None if draft is None else str(draft),
                                    policy=policy, **kwargs)
         self._loaded = loaded
