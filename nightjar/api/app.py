@@ -540,10 +540,7 @@ def serve(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, api_ke
     kwargs = dict(engine_kwargs)
     model_name = str(kwargs.pop("served_model_name", None) or kwargs.get("model", EngineConfig().model))
     if trace is not None:
-        if "trace" in EngineConfig.__struct_fields__:
-            kwargs["trace"] = trace
-        else:
-            log.warning("trace=%r ignored: this engine build cannot record traces", trace)
+        kwargs["trace"] = trace
     engine = Engine(**kwargs)
     app = create_app(engine, model_name, api_key=api_key, served_engine_owned=True, limits=limits)
     try:
