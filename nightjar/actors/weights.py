@@ -41,11 +41,11 @@ class Triggers:
     low_free_frac: float = 0.10
     persist_steps: int = 3
     headroom_blocks: int = 0
-    offload_on_queue: bool = False
+    offload_on_queue: bool = True      # a waiting request counts as KV pressure too (else τ_low alone)
 
     def wants_offload(self, gamma: int, free: int, total: int, waiting: int) -> bool:
-        short = free < self.low_free_frac * total or waiting > 0
-        return gamma == 0 and (short if not self.offload_on_queue else (short or waiting > 0))
+        short = free < self.low_free_frac * total or (self.offload_on_queue and waiting > 0)
+        return gamma == 0 and short
 
     def wants_reload(self, free: int, total: int, waiting: int) -> bool:
         base = total - self.draft_blocks                   # the pool once the draft is back

@@ -22,7 +22,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     elastic_memory: bool | None = None     # None: as the policy says
     low_free_frac: float = 0.10            # τ_low as a fraction of the pool
     persist_steps: int = 3                 # T_persist
-    offload_on_queue: bool = False         # the paper's v3 trigger (queueing alone offloads)
+    offload_on_queue: bool = True          # SD off and a request waiting also offloads (False: τ_low alone)
     draft_kv_tokens: int | None = None     # draft KV capacity in tokens (default: target pool's)
     synthetic_acceptance: float | None = None   # TESTING ONLY: accept each draft with this probability
     trace: str | None = None               # record every bus envelope to this file

@@ -63,3 +63,13 @@ def test_a_mover_without_elastic_memory_keeps_a_commanded_offload():
     m.elastic = False
     m.handle(RequestAdmitted(req_id=1, prompt_ids=(1,), sampling=SamplingSpec()), 0.0)
     assert m.handle(committed([1], [FinishReason.STOP]), 0.0) is None and m.state == "OFFLOADED"
+
+
+def test_a_waiting_request_triggers_the_offload_only_with_offload_on_queue():
+    on, off = Triggers(draft_blocks=10), Triggers(draft_blocks=10, offload_on_queue=False)
+    assert on.wants_offload(0, free=50, total=100, waiting=1)            # plenty free, but a request waits
+    assert not off.wants_offload(0, free=50, total=100, waiting=1)
+    for t in (on, off):
+        assert t.wants_offload(0, free=5, total=100, waiting=0)         # below τ_low: both
+        assert not t.wants_offload(2, free=5, total=100, waiting=3)     # never while speculating
+        assert not t.wants_offload(0, free=50, total=100, waiting=0)
