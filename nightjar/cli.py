@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DELEGATED = {"distill": "nightjar.models.distill", "bench": "nightjar.bench.cli", "replay": "nightjar.replay",
+DELEGATED = {"distill": "nightjar.training.distill", "bench": "nightjar.bench.cli", "replay": "nightjar.replay",
              "trace": "nightjar.trace_tools", "simulate": "nightjar.simulate", "profile": "nightjar.profile"}
 
 

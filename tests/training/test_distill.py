@@ -6,7 +6,7 @@ import json
 import torch
 
 from nightjar.models import LoadedModel
-from nightjar.models.distill import collate, draft_config, init_draft, kd_loss, dense_forward, save_draft, \
+from nightjar.training.distill import collate, draft_config, init_draft, kd_loss, dense_forward, save_draft, \
     teacher_topk, train
 from nightjar.models.loader import load_weights
 from tests.conftest import random_model, tiny_config
@@ -44,7 +44,7 @@ def test_a_short_training_run_lowers_the_loss_and_saves_a_transformers_loadable_
 
 
 def test_the_corpus_builds_in_chunks_and_a_rerun_resumes_without_regenerating(tiny_pair, tmp_path, monkeypatch):
-    from nightjar.models import distill
+    from nightjar.training import distill
 
     target, _ = tiny_pair
     jobs = [({"id": f"p{i}", "prompt": f"Say {i}."}, v) for i in range(3) for v in ("greedy", "s7")]
@@ -74,7 +74,7 @@ def test_templated_prompts_are_distinct_training_prompts():
 
 
 def test_top1_agreement_is_one_for_the_teacher_itself_and_split_by_source():
-    from nightjar.models.distill import top1_agreement
+    from nightjar.training.distill import top1_agreement
 
     target = random_model(tiny_config(vocab=100, hidden=32), seed=0)
     corpus = tiny_corpus(target)

@@ -1,4 +1,4 @@
-"""Distil a small draft for the default target: ``python -m nightjar.models.distill --out DIR``.
+"""Distil a small draft for the default target: ``python -m nightjar.training.distill --out DIR``.
 
 1. The target answers the training prompts (greedy, plus sampled variants) through the engine.
 2. Teacher forcing over prompt+answer gives the target's top-k next-token distribution per answer token.
@@ -382,7 +382,7 @@ A draft model for speculative decoding with SmolLM2-135M-Instruct, distilled by 
 - Training: {state['step']} steps of AdamW (batch 16, lr 2e-3 with a cosine over {a.minutes:g} min, weight decay
   0.01, embeddings {'frozen' if a.freeze else f'trained at {a.embed_lr_mult:g}× lr without decay'}), {state['elapsed'] / 60:.1f} min on 2 CPU cores; final training
   loss {sum(state['losses'][-50:]) / max(1, len(state['losses'][-50:])):.3f}; {_selection(state, a)}.
-{_agreement(state)}- Reproduce: `python -m nightjar.models.distill {_flags(a)}` (the learning-rate schedule follows
+{_agreement(state)}- Reproduce: `python -m nightjar.training.distill {_flags(a)}` (the learning-rate schedule follows
   wall time, so another machine lands near, not on, these weights).
 
 ## Measured acceptance
