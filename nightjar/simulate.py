@@ -37,6 +37,9 @@ class SimConfig:
     low_free_frac: float = 0.10
     persist_steps: int = 3
     num_blocks: int | None = None       # override the profile's pool size
+    closed_loop: int = 0                # N > 0: N clients, each sends its next request when one finishes
+    planner_profile: bool = True        # hand the profile to a model-based planner (as `nightjar profile` would)
+    planner_profile_scale: float = 1.0  # ... scaled (a deliberately wrong profile, for robustness checks)
 
 
 @dataclass
@@ -69,9 +72,12 @@ def sim_header(profile: Profile, policy: str, cfg: SimConfig) -> dict:
               "max_model_len": cfg.max_model_len, "max_queue": cfg.max_queue, "seed": cfg.seed,
               "elastic_memory": cfg.elastic_memory, "low_free_frac": cfg.low_free_frac,
               "persist_steps": cfg.persist_steps}
-    return {"config": config, "num_blocks": cfg.num_blocks or profile.num_blocks, "vocab_size": 32,
-            "eos_token_ids": [], "max_position": cfg.max_model_len, "draft": "sim",
-            "draft_bytes": profile.draft_bytes, "draft_blocks": profile.draft_blocks}
+    out = {"config": config, "num_blocks": cfg.num_blocks or profile.num_blocks, "vocab_size": 32,
+           "eos_token_ids": [], "max_position": cfg.max_model_len, "draft": "sim",
+           "draft_bytes": profile.draft_bytes, "draft_blocks": profile.draft_blocks}
+    if cfg.planner_profile:          # the model-based planner's step-time model (replay rebuilds it from here)
+        out["planner_profile"] = {"profile": profile.to_json(), "scale": cfg.planner_profile_scale}
+    return out
 
 
 class Simulation:
@@ -87,7 +93,7 @@ class Simulation:
         self.actors = actors
         actors["weights"].transfer = SimTransfer(self.bus, profile)
         self.executor = SimExecutor(profile, acceptance, cfg.max_num_seqs, cfg.gamma_max, cfg.seed)
-        self.collector = SimCollector()
+        self.collector = SimCollector(self._finished if cfg.closed_loop else None, curve=cfg.closed_loop > 0)
         for a in [*actors.values(), self.executor, self.collector]:
             self.bus.add(a)
         self.writer = None
@@ -104,6 +110,19 @@ class Simulation:
             p = self._prompts[n] = (7,) * n
         return p
 
+    def _finished(self, n: int) -> None:
+        """Closed loop: each finished request frees its client, which sends the next one now."""
+        for _ in range(n):
+            if self._i < len(self.workload):
+                self._submit()
+
+    def _submit(self) -> None:
+        w, i = self.workload, self._i
+        sp = SamplingSpec(max_tokens=int(w.output_lens[i]), ignore_eos=True)
+        self.bus.publish("client", [SubmitRequest(req_id=i + 1, prompt_ids=self._prompt(int(w.prompt_lens[i])),
+                                                  sampling=sp)])
+        self._i += 1
+
     def _arrive(self) -> None:
         w, i = self.workload, self._i
         sp = SamplingSpec(max_tokens=int(w.output_lens[i]), ignore_eos=True)
@@ -113,10 +132,19 @@ class Simulation:
         if self._i < len(w):
             self.bus.at(float(w.times[self._i]), self._arrive)
 
+    def tokens_by(self, t: float) -> int:
+        """Output tokens committed by simulated time ``t`` (closed-loop runs record the curve)."""
+        from bisect import bisect_right
+        curve = self.collector.curve or []
+        i = bisect_right(curve, (t, float("inf")))
+        return curve[i - 1][1] if i else 0
+
     def run(self) -> SimResult:
         t0 = time.perf_counter()
         self.bus.start(self.actors.values())
-        if len(self.workload):
+        if self.cfg.closed_loop:
+            self.bus.at(0.0, lambda: [self._submit() for _ in range(min(self.cfg.closed_loop, len(self.workload)))])
+        elif len(self.workload):
             self.bus.at(float(self.workload.times[0]), self._arrive)
         self.bus.run()
         wall = time.perf_counter() - t0
@@ -129,7 +157,7 @@ class Simulation:
         done = [r for r in c.done if r in c.arrival]
         ttft = [c.first[r] - c.arrival[r] for r in done if r in c.first]
         e2e = [c.done[r] - c.arrival[r] for r in done]
-        t_start = float(self.workload.times[0]) if len(self.workload) else 0.0
+        t_start = 0.0 if self.cfg.closed_loop or not len(self.workload) else float(self.workload.times[0])
         return SimResult(
             policy=self.policy, num_requests=len(self.workload), finished=len(done),
             sim_time_s=max(c.t_last - t_start, 1e-9), wall_s=wall, out_tokens=c.out_tokens,
@@ -139,7 +167,9 @@ class Simulation:
             acceptance=c.accepted / c.drafted if c.drafted else None,
             offloads=getattr(w, "num_offloads", 0), reloads=getattr(w, "num_reloads", 0), steps=c.steps,
             extra={"preemptions": self.actors["batcher"].num_preemptions, "handled": self.bus.num_handled,
-                   "busy_s": self.executor.busy_s},
+                   "busy_s": self.executor.busy_s,
+                   "early_t": c.early_t or None,
+                   "early_throughput": c.early_tokens / c.early_t if c.early_t > 0 else None},
         )
 
 
@@ -205,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
     e.add_argument("--max-model-len", type=int, default=2048)
     e.add_argument("--num-blocks", type=int, default=None)
+    e.add_argument("--closed-loop", type=int, default=0, help="N clients, each sending its next request when one ends")
+    e.add_argument("--no-planner-profile", action="store_true",
+                   help="do not give the model-based planner the profile (it falls back to its generic prior)")
     e.add_argument("--acceptance", default=None, help="per-position acceptance rates, e.g. 0.8,0.75,0.7")
     e.add_argument("--fit-trace", default=None, help="fit per-position acceptance from a recorded trace")
     p.add_argument("--trace-out", default=None, help="record the (first policy's) simulated bus to this trace")
@@ -220,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                        max_len=a.max_model_len)
     acc = acceptance_model(a)
     cfg = SimConfig(gamma_max=a.gamma_max, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                    max_model_len=a.max_model_len, seed=a.seed, num_blocks=a.num_blocks)
+                    max_model_len=a.max_model_len, seed=a.seed, num_blocks=a.num_blocks, closed_loop=a.closed_loop,
+                    planner_profile=not a.no_planner_profile)
     print(f"profile {profile.name}: {cfg.num_blocks or profile.num_blocks} KV blocks of {profile.block_size}, "
           f"draft {profile.draft_blocks} blocks; workload {a.workload}: {len(wl)} requests; "
           f"acceptance {', '.join(f'{x:.2f}' for x in acc)}", file=sys.stderr)

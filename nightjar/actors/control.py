@@ -54,7 +54,10 @@ def _batcher(h, c):
 
 def _planner(h, c):
     from nightjar.actors.planner import Planner
-    return Planner(c.policy, c.gamma_max, c.seed, h.get("draft") is not None)
+    draft_blocks = int(h.get("draft_blocks", h.get("draft_blocks_hint", 0)) or 0)
+    prof = h.get("planner_profile") or {}          # the step-time model the recorded planner used, if any
+    return Planner(c.policy, c.gamma_max, c.seed, h.get("draft") is not None, draft_blocks=draft_blocks,
+                   max_batch=c.max_num_seqs, profile=prof.get("profile"), profile_scale=prof.get("scale", 1.0))
 
 
 def _kv(h, c):

@@ -1,23 +1,36 @@
-"""Planner: a thin shell around a pure policy (``actors/policies.py``): one γ per step."""
+"""Planner: a thin shell around a pure policy (``actors/policies.py``): one γ per step.
+
+Besides B it hands the policy what the model-based planner prices: the draft lag split into prompt
+tokens (the draft prefills every prompt under any γ>0) and generated tokens (what γ=0 steps left
+behind), the prompt tokens entering decode this step, the queue, and the pool's free blocks after the
+previous step's reservation.
+"""
 from __future__ import annotations
 
 from typing import ClassVar
 
 from nightjar.actors.policies import PlannerState, StepResult, make_policy
 from nightjar.kernel.actor import Actor
-from nightjar.kernel.messages import DraftResidency, StepPlanned, StepScheduled, StepTimed
+from nightjar.kernel.messages import BlocksReserved, DraftResidency, StepPlanned, StepScheduled, StepTimed
 
 
 class Planner(Actor):
     name: ClassVar[str] = "planner"
-    subscribes = (StepScheduled, StepTimed, DraftResidency)
+    subscribes = (StepScheduled, StepTimed, DraftResidency, BlocksReserved)
 
-    def __init__(self, policy: str, gamma_max: int, seed: int, has_draft: bool, **opts):
+    def __init__(self, policy: str, gamma_max: int, seed: int, has_draft: bool, *, draft_blocks: int = 0,
+                 max_batch: int = 1 << 30, profile=None, profile_scale: float = 1.0, **opts):
         super().__init__()
         self.policy = make_policy(policy, gamma_max=gamma_max, seed=seed, **opts)
+        if profile is not None and hasattr(self.policy, "set_profile"):     # a step-time model (JSON dict)
+            self.policy.set_profile(profile, profile_scale)
         self.resident = has_draft
         self.prev_gamma = 0
         self.gamma_counts = [0] * (gamma_max + 1)
+        self.draft_blocks, self.max_batch = draft_blocks, max_batch
+        self.free_blocks, self.total_blocks = -1, 0
+        self.prompt_len: dict[int, int] = {}     # req_id → tokens the target prefilled before decoding
+        self.pending = (0, 0)                     # new prompts (tokens, count) not yet shown to the policy
 
     def handle(self, msg, now):
         match msg:
@@ -25,18 +38,55 @@ class Planner(Actor):
                 return [StepPlanned(step=msg.step, gamma=self._decide(msg))]
             case StepTimed():
                 self._observe(msg)
+            case BlocksReserved():
+                self.free_blocks, self.total_blocks = msg.num_free, msg.num_total
             case DraftResidency():
                 self.resident = msg.resident
         return None
 
+    def _new_prompts(self, s: StepScheduled) -> tuple[int, int]:
+        """Record prompts whose prefill finishes this step: (tokens, count)."""
+        tok = n = 0
+        nd = s.num_decode
+        for j, done in enumerate(s.prefill_done):
+            if done:
+                row = nd + j
+                p = s.starts[row] + len(s.chunk_ids[row])
+                self.prompt_len[s.req_ids[row]] = p
+                tok, n = tok + p, n + 1
+        if len(self.prompt_len) > 4 * (len(s.req_ids) + 64):     # forget finished requests
+            live = set(s.req_ids)
+            self.prompt_len = {r: p for r, p in self.prompt_len.items() if r in live}
+        return tok, n
+
+    def _lags(self, s: StepScheduled) -> tuple[int, int]:
+        """(generated-token lag, prompt lag) summed over speculating decode rows that must catch up."""
+        gen = pr = 0
+        plen = self.prompt_len
+        for rid, start, dc, sp in zip(s.req_ids, s.starts, s.draft_computed, s.speculate):
+            lag = start - dc
+            if sp and lag >= 2:
+                pp = min(max(plen.get(rid, 0) - dc, 0), lag)
+                pr += pp
+                gen += lag - pp
+        return gen, pr
+
     def _decide(self, s: StepScheduled) -> int:
-        speculating = sum(s.speculate)
-        if s.num_decode == 0 or speculating == 0:
+        if s.prefill_done:
+            tok, n = self._new_prompts(s)
+            self.pending = (self.pending[0] + tok, self.pending[1] + n)
+        if s.num_decode == 0 or not any(s.speculate):
             return 0            # prefill-only steps skip the planner
-        state = PlannerState(draft_resident=self.resident, max_draft_lag=s.max_draft_lag,
-                             prev_gamma=self.prev_gamma)
-        gamma = self.policy.decide(s.num_decode, state) if self.resident else 0
-        return gamma
+        if not self.resident:
+            return 0
+        (new_tok, new_n), self.pending = self.pending, (0, 0)
+        gen, pr = self._lags(s) if s.max_draft_lag >= 2 else (0, 0)
+        state = PlannerState(draft_resident=True, max_draft_lag=s.max_draft_lag, prev_gamma=self.prev_gamma,
+                             lag_tokens=gen, prompt_lag_tokens=pr, new_prompt_tokens=new_tok,
+                             new_prompts=new_n, num_waiting=s.num_waiting, free_blocks=self.free_blocks,
+                             total_blocks=self.total_blocks, draft_blocks=self.draft_blocks,
+                             max_batch=self.max_batch)
+        return self.policy.decide(s.num_decode, state)
 
     def _observe(self, t: StepTimed) -> None:
         if t.batch_size == 0:
@@ -48,4 +98,5 @@ class Planner(Actor):
             tokens_emitted=t.tokens_emitted, max_draft_lag=t.max_draft_lag,
             catchup_time_s=t.catchup_time_s, catchup_tokens=t.catchup_tokens,
             accepted_per_pos=t.accepted_per_pos, num_drafts=t.num_drafts,
+            num_prefill_tokens=t.num_prefill_tokens,
         ))

@@ -10,9 +10,11 @@ Policies (``make_policy(spec)``; see ``shared/reference/algorithm.md`` §2, §5)
 * ``table:<ranges>`` / ``table:mlc`` / ``table:trtllm`` -- batch-size table.
 * ``dsd`` (aliases ``goodput``, ``smartspec``) -- DSD/SmartSpec goodput argmax.
 * ``banditspec`` (alias ``ucb``) -- UCBSpec, no context.
-* ``nightjar`` / ``nightjar-nooffload`` -- contextual bin-greedy bandit (§2).
+* ``nightjar`` / ``nightjar-nooffload`` -- the model-based planner (``actors/policy_model.py``).
+* ``nightjar-paper`` -- the paper's contextual bin-greedy bandit (§2), bug-fixed: the bin counter b
+  runs on across blocks (exploration probability 1/b follows elapsed time, as in ADA-BINGREEDY).
 
-Nightjar design choices (recorded here and in ``snapshot()``):
+``nightjar-paper`` design choices (recorded here and in ``snapshot()``):
 
 * **Loss** of arm (c, γ) is seconds per emitted token *per request*, estimated as
   a ratio of (discounted) sums: ``Σ step_time_s / Σ (tokens_emitted / B)``,
@@ -58,7 +60,7 @@ __all__ = [
     "StepResult", "PlannerState", "Policy", "make_policy", "list_policies",
     "bucket", "bucket_label", "expected_tokens", "SwitchCostModel",
     "OffPolicy", "FixedPolicy", "TablePolicy", "DSDPolicy", "BanditSpecPolicy",
-    "NightjarPolicy",
+    "NightjarPaperPolicy",
 ]
 
 
@@ -76,15 +78,25 @@ class StepResult:
     catchup_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
     num_drafts: int = 0
+    num_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class PlannerState:
-    """Engine state the planner may condition on."""
+    """Engine state the planner may condition on (fields after ``prev_gamma``: -1/0 = unknown)."""
 
     draft_resident: bool = True
     max_draft_lag: int = 0
     prev_gamma: int = 0
+    lag_tokens: int = -1          # Σ generated-token draft lag over catching-up rows (prompt excluded)
+    prompt_lag_tokens: int = 0    # Σ prompt tokens the draft has not prefilled yet
+    new_prompt_tokens: int = 0    # prompt tokens of requests whose prefill finished this step
+    new_prompts: int = 0
+    num_waiting: int = 0
+    free_blocks: int = -1         # KV pool after the previous step's reservation
+    total_blocks: int = 0
+    draft_blocks: int = 0         # KV blocks the pool gains when the draft is offloaded
+    max_batch: int = 1 << 30
 
 
 # ---------------------------------------------------------------- helpers
@@ -330,13 +342,17 @@ class DSDPolicy(Policy):
     T(B, k) = a_k + b_k·(B·(k+1)) -- one least-squares line per k over the
     tokens the target verifies (B·(k+1), not the authors' B·k).  Until every k
     has been observed in B's log2 bucket, decide() tries the lowest untried k.
+    Probe: α only learns from drafting steps, so after ``probe_every`` decode steps without one
+    decide() plays γ=1 once (0 disables); otherwise one unlucky window could pin it at γ=0 forever.
     """
 
     name = "dsd"
 
     def __init__(self, gamma_max: int, alpha0: float = 0.7, alpha_window: int = 10,
-                 fit_discount: float = 1.0) -> None:
+                 fit_discount: float = 1.0, probe_every: int = 32) -> None:
         super().__init__(gamma_max)
+        self.probe_every = probe_every
+        self._since_draft = 0
         self.alpha0 = alpha0
         self._win: deque[tuple[float, float]] = deque(maxlen=alpha_window)
         self._fits = [_LinFit(fit_discount) for _ in range(gamma_max + 1)]
@@ -363,6 +379,8 @@ class DSDPolicy(Policy):
         k = self._untried(batch_size)
         if k >= 0:
             return k
+        if self.probe_every and self.gamma_max and self._since_draft >= self.probe_every:
+            return 1
         best, best_g = 0, -1.0
         for k in range(self.gamma_max + 1):
             t = self.predict_time(batch_size, k)
@@ -388,6 +406,7 @@ class DSDPolicy(Policy):
         c = bucket(r.batch_size)
         self._tried[c] = self._tried.get(c, 0) | (1 << r.gamma)
         self._fits[r.gamma].add(float(r.batch_size * (r.gamma + 1)), r.step_time_s)
+        self._since_draft = 0 if r.gamma > 0 else self._since_draft + 1
         if r.gamma > 0:
             self._win.append(self._acceptance_counts(r))
             acc = sum(a for a, _ in self._win)
@@ -519,10 +538,10 @@ _NIGHTJAR_OPTS = ("decay", "prior", "discount", "detector", "ph_delta", "ph_lamb
                   "c_switch_discount", "switch_cost")
 
 
-class NightjarPolicy(Policy):
-    """Contextual bin-greedy bandit over γ with a learned switching cost (§2)."""
+class NightjarPaperPolicy(Policy):
+    """The paper's contextual bin-greedy bandit over γ with a learned switching cost (§2)."""
 
-    name = "nightjar"
+    name = "nightjar-paper"
     elastic_memory = True
 
     def __init__(self, gamma_max: int, seed: int = 0, *, decay: str = "inv",
@@ -571,8 +590,8 @@ class NightjarPolicy(Policy):
         """Close the current bin (and block if covered), draw explore for the next."""
         ctx.block_steps += ctx.step_in_bin
         h = 1 << (ctx.j - 1)
-        if ctx.block_steps >= h:
-            ctx.j, ctx.b, ctx.block_steps = ctx.j + 1, 0, 0
+        if ctx.block_steps >= h:          # next block; b runs on (the paper's bin index is global)
+            ctx.j, ctx.block_steps = ctx.j + 1, 0
             h <<= 1
         ctx.b += 1
         ctx.bins += 1
@@ -684,7 +703,7 @@ def _prior_cumulative(prior: Sequence[float] | None, gamma_max: int) -> list[flo
 
 
 # ---------------------------------------------------------------- factory
-_CANONICAL = ("off", "fixed", "table", "dsd", "banditspec", "nightjar", "nightjar-nooffload")
+_CANONICAL = ("off", "fixed", "table", "dsd", "banditspec", "nightjar", "nightjar-nooffload", "nightjar-paper")
 _ALIASES = {"goodput": "dsd", "smartspec": "dsd", "ucb": "banditspec"}
 
 
@@ -702,10 +721,14 @@ def _make_fixed(arg: str, gamma_max: int) -> FixedPolicy:
     return FixedPolicy(gamma_max, k)
 
 
-def _make_nightjar(name: str, gamma_max: int, seed: int, opts: dict) -> NightjarPolicy:
-    """``nightjar`` or ``nightjar-nooffload``."""
-    _check_opts(name, opts, _NIGHTJAR_OPTS)
-    p = NightjarPolicy(gamma_max, seed, **opts)
+def _make_nightjar(name: str, gamma_max: int, seed: int, opts: dict) -> Policy:
+    """``nightjar`` / ``nightjar-nooffload`` (model-based) or ``nightjar-paper`` (bin-greedy)."""
+    if name == "nightjar-paper":
+        _check_opts(name, opts, _NIGHTJAR_OPTS)
+        return NightjarPaperPolicy(gamma_max, seed, **opts)
+    from nightjar.actors.policy_model import MODEL_OPTS, ModelNightjarPolicy
+    _check_opts(name, opts, MODEL_OPTS)
+    p = ModelNightjarPolicy(gamma_max, seed, **opts)
     if name == "nightjar-nooffload":
         p.name, p.elastic_memory = name, False
     return p
@@ -729,11 +752,11 @@ def make_policy(spec: str, gamma_max: int = 4, seed: int = 0, **opts: Any) -> Po
             raise ValueError("table needs ranges or a preset, e.g. 'table:1-4:4,5-:0' or 'table:mlc'")
         return TablePolicy(gamma_max, arg, **opts)
     if head == "dsd":
-        _check_opts(head, opts, ("alpha0", "alpha_window", "fit_discount"))
+        _check_opts(head, opts, ("alpha0", "alpha_window", "fit_discount", "probe_every"))
         return DSDPolicy(gamma_max, **opts)
     if head == "banditspec":
         _check_opts(head, opts, ("delta", "L", "warmup_rounds", "min_gamma", "reward_scale"))
         return BanditSpecPolicy(gamma_max, **opts)
-    if head in ("nightjar", "nightjar-nooffload"):
+    if head in ("nightjar", "nightjar-nooffload", "nightjar-paper"):
         return _make_nightjar(head, gamma_max, seed, opts)
     raise ValueError(f"unknown policy {spec!r}; choose from {', '.join(_CANONICAL)}")

@@ -124,11 +124,11 @@ class SimTransfer:
     def __init__(self, bus, profile: Profile) -> None:
         self.bus, self.p = bus, profile
 
-    def offload(self, slot, done) -> None:
+    def offload(self, slot, done, *on_error) -> None:     # a simulated copy never fails: on_error unused
         t = self.bus.clock.t + self.p.offload_s
         self.bus.at(t, done, _HostStub(self.p.draft_bytes), self.p.offload_s)
 
-    def reload(self, slot, host, done) -> None:
+    def reload(self, slot, host, done, *on_error) -> None:
         t = self.bus.clock.t + self.p.reload_s
         self.bus.at(t, done, self.p.draft_bytes, self.p.reload_s)
 
@@ -141,7 +141,12 @@ class SimCollector:
     name: ClassVar[str] = "collector"
     subscribes = (SubmitRequest, TokensCommitted, StepTimed, TransferFinished)
 
-    def __init__(self) -> None:
+    EARLY_STEPS = 200        # "first 200 steps" throughput: output tokens / time at the 200th decode step
+
+    def __init__(self, on_finish=None, curve: bool = False) -> None:
+        self.on_finish = on_finish
+        self.curve: list[tuple[float, int]] | None = [] if curve else None     # (time, output tokens so far)
+        self.early_tokens, self.early_t = 0, 0.0
         self.arrival: dict[int, float] = {}
         self.first: dict[int, float] = {}
         self.done: dict[int, float] = {}
@@ -158,13 +163,21 @@ class SimCollector:
         t = type(msg)
         if t is TokensCommitted:
             first = self.first
+            nfin = 0
             for rid, n, fin in zip(msg.req_ids, msg.counts, msg.finish):
                 if n and rid not in first:
                     first[rid] = now
                 if fin:
                     self.done[rid] = now
+                    nfin += 1
             self.out_tokens += len(msg.tokens)
             self.t_last = now
+            if self.steps == self.EARLY_STEPS and not self.early_t:
+                self.early_tokens, self.early_t = self.out_tokens, now
+            if self.curve is not None:
+                self.curve.append((now, self.out_tokens))
+            if nfin and self.on_finish is not None:
+                self.on_finish(nfin)
         elif t is StepTimed:
             if msg.batch_size:
                 self.steps += 1

@@ -136,8 +136,8 @@ def test_nightjar_picks_gamma_zero_everywhere_when_verification_is_costly():
         assert exploit_share(tr, {0}, b=b) >= 0.9, b
 
 
-def test_nightjar_switches_arms_at_most_once_per_bin():
-    pol = make_policy("nightjar", gamma_max=4, seed=7, detector=None)
+def test_nightjar_paper_switches_arms_at_most_once_per_bin():
+    pol = make_policy("nightjar-paper", gamma_max=4, seed=7, detector=None)
     tr = drive(pol, const(Env(noise=0.1)), const(2), 3000)
     switches = sum(a != b for a, b in zip(tr.gamma, tr.gamma[1:]))
     bins = pol.snapshot()["contexts"]["2"]["bins"]
@@ -150,7 +150,7 @@ def test_switching_cost_keeps_speculation_off_after_a_gamma_zero_step():
     assert env.best_gamma(4) == 1  # γ=1 beats γ=0 by only ~6%, ignoring catch-up
 
     def stay_share(switch_cost: bool) -> tuple[float, Trace]:
-        pol = make_policy("nightjar", gamma_max=3, seed=11, switch_cost=switch_cost)
+        pol = make_policy("nightjar-paper", gamma_max=3, seed=11, switch_cost=switch_cost)
         tr = drive(pol, const(env), const(4), 4000, max_lag=32)
         after0 = [g for g, p, e in zip(tr.gamma, tr.prev, tr.explore) if p == 0 and not e]
         return after0.count(0) / max(1, len(after0)), tr
@@ -163,14 +163,14 @@ def test_switching_cost_keeps_speculation_off_after_a_gamma_zero_step():
 
 
 def test_switch_cost_model_is_learned_from_observed_catchups():
-    pol = make_policy("nightjar", gamma_max=3, c_switch_seed=(0.0, 1e-3))
+    pol = make_policy("nightjar-paper", gamma_max=3, c_switch_seed=(0.0, 1e-3))
     assert pol.switch.predict(10, 4) == pytest.approx(0.04)  # seed before data
     for lag in (5, 10, 20, 40):
         pol.observe(StepResult(4, 2, 0.01, 8, lag, 0.003 + 0.0005 * 4 * lag, 4 * lag))
     assert pol.switch.coef() == pytest.approx((0.003, 0.0005))
     assert pol.switch.predict(10, 4) == pytest.approx(0.023)
     assert pol.switch.predict(0, 4) == 0.0
-    by_max = make_policy("nightjar", lag="max")
+    by_max = make_policy("nightjar-paper", lag="max")
     by_max.observe(StepResult(4, 2, 0.01, 8, 10, 0.02, 40))
     assert by_max.switch.predict(20, 4) == pytest.approx(0.04)  # proportional in L_max
 
@@ -185,11 +185,11 @@ def steps_until_exploit_settles(tr: Trace, start: int, value: int, hold: int = 3
 
 
 @pytest.mark.parametrize("detector", ["ph", None])
-def test_nightjar_reconverges_to_gamma_zero_after_acceptance_collapses(detector):
+def test_nightjar_paper_reconverges_to_gamma_zero_after_acceptance_collapses(detector):
     # Measured over seeds 0-39 (defaults): with the detector median 41 / p90 70 / max 316
     # steps; without it (discount 0.99 only) median 622 / p90 667 / max 802 steps.
     shift, good, bad = 3000, Env(alpha=0.8), Env(alpha=0.1)
-    pol = make_policy("nightjar", gamma_max=4, seed=13, detector=detector)
+    pol = make_policy("nightjar-paper", gamma_max=4, seed=13, detector=detector)
     tr = drive(pol, lambda t: good if t < shift else bad, const(1), shift + 3000)
     assert exploit_share(Trace(tr.batch[:shift], tr.gamma[:shift], tr.explore[:shift], []),
                          {3, 4}) >= 0.8
@@ -201,13 +201,13 @@ def test_nightjar_reconverges_to_gamma_zero_after_acceptance_collapses(detector)
 
 
 def test_change_detector_stays_quiet_on_a_stationary_workload():
-    pol = make_policy("nightjar", gamma_max=4, seed=21)
+    pol = make_policy("nightjar-paper", gamma_max=4, seed=21)
     drive(pol, const(Env(noise=0.08)), lambda t: (1, 2, 3, 8, 48)[t % 5], 10000)
     assert all(c["resets"] == 0 for c in pol.snapshot()["contexts"].values())
 
 
-def test_nightjar_freezes_its_schedule_while_the_draft_is_offloaded():
-    pol = make_policy("nightjar", gamma_max=4, seed=2)
+def test_nightjar_paper_freezes_its_schedule_while_the_draft_is_offloaded():
+    pol = make_policy("nightjar-paper", gamma_max=4, seed=2)
     drive(pol, const(Env()), const(1), 200)
     before = pol.snapshot()["contexts"]["1"]
     off = PlannerState(draft_resident=False, max_draft_lag=7, prev_gamma=0)
@@ -215,19 +215,19 @@ def test_nightjar_freezes_its_schedule_while_the_draft_is_offloaded():
     assert pol.snapshot()["contexts"]["1"] == before
 
 
-def test_nightjar_options_are_validated():
+def test_nightjar_paper_options_are_validated():
     with pytest.raises(ValueError, match="unknown option"):
-        make_policy("nightjar", bogus=1)
+        make_policy("nightjar-paper", bogus=1)
     with pytest.raises(ValueError, match="decay"):
-        make_policy("nightjar", decay="linear")
+        make_policy("nightjar-paper", decay="linear")
     with pytest.raises(ValueError, match="prior"):
-        make_policy("nightjar", gamma_max=2, prior=(1, 1))
+        make_policy("nightjar-paper", gamma_max=2, prior=(1, 1))
     with pytest.raises(ValueError, match="lag"):
-        make_policy("nightjar", lag="mean")
+        make_policy("nightjar-paper", lag="mean")
 
 
-def test_nightjar_explores_only_inside_the_prior_support():
-    pol = make_policy("nightjar", gamma_max=4, seed=4, prior=(1, 0, 0, 0, 1), decay="sqrt")
+def test_nightjar_paper_explores_only_inside_the_prior_support():
+    pol = make_policy("nightjar-paper", gamma_max=4, seed=4, prior=(1, 0, 0, 0, 1), decay="sqrt")
     tr = drive(pol, const(Env()), const(1), 500)
     explored = {g for g, e in zip(tr.gamma, tr.explore) if e}
     assert explored <= {0, 4}
@@ -338,12 +338,13 @@ def test_banditspec_round_robins_then_converges_without_context():
 
 # ---------------------------------------------------------------- all policies
 ALL_SPECS = ["off", "fixed:3", "table:1-4:4,5-16:2,17-:0", "table:mlc", "dsd", "banditspec",
-             "nightjar", "nightjar-nooffload"]
+             "nightjar", "nightjar-nooffload", "nightjar-paper"]
 
 
 def test_list_policies_names_every_policy():
     names = list_policies()
-    assert {"off", "fixed", "table", "dsd", "banditspec", "nightjar", "nightjar-nooffload"} <= set(names)
+    assert {"off", "fixed", "table", "dsd", "banditspec", "nightjar", "nightjar-nooffload",
+            "nightjar-paper"} <= set(names)
     assert {s.split(":")[0] for s in ALL_SPECS} <= set(names)
 
 
@@ -354,8 +355,8 @@ def test_same_seed_gives_the_same_decision_sequence(spec):
     assert runs[0] == runs[1]
 
 
-def test_different_seeds_give_different_nightjar_runs():
-    runs = [drive(make_policy("nightjar", seed=s), const(Env()), const(3), 600).gamma for s in (1, 2)]
+def test_different_seeds_give_different_nightjar_paper_runs():
+    runs = [drive(make_policy("nightjar-paper", seed=s), const(Env()), const(3), 600).gamma for s in (1, 2)]
     assert runs[0] != runs[1]
 
 

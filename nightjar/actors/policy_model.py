@@ -1,0 +1,447 @@
+"""Model-based Nightjar planner (``nightjar``, ``nightjar-nooffload``): pure Python, stdlib only.
+
+Per decode step it predicts, for every γ, seconds per emitted token and plays the optimistic argmin:
+
+* **Acceptance** (``AcceptanceModel``), one model shared by every batch size: discounted per-position
+  counts accepted_i / reached_i → ρ_i, E(γ) = 1 + Σ_{i≤γ} Π_{k≤i} ρ_k; a position's counts decay only
+  when new data for it arrives (by ``d^n`` for n new samples). An optimistic E⁺ adds z·√(ρ(1−ρ)/n) per
+  position. Two one-sided CUSUMs on first-position acceptance (a drop, a rise) each forget part of
+  the counts (keep ``cusum_keep``) when they fire.
+* **Step time** T̂(B, γ) = level · base(B, γ) · m(c, γ). ``base`` is the profile
+  (``target_time(B, γ+1) + γ·draft_time(B)``, from ``nightjar profile`` JSON or the simulator's
+  profile) or, without one, a generic roofline-shaped prior. ``level`` is learned online (fast EMA) from
+  decode steps; prefill tokens in a mixed step get their own learned per-token term and are subtracted
+  (until that term has data such steps are left out). m(c, γ) is a per-(bucket, γ) correction:
+  the discounted mean of the measured ratio T / (level · base) shrunk toward 1 by ``prior_weight``
+  pseudo-samples, so it is weighted by the sample count; its standard error falls from ``model_sd``
+  to the per-step noise (learned from all steps) / √samples.
+* **Decision**: loss(γ) = (T̂ + extras) / (B · E(γ)). The played arm minimises the lower confidence
+  bound (T̂ · (1 − z·se)) / (B · E⁺(γ)): optimism only matters where an arm's interval reaches below the
+  best, there is no forced uniform exploration. Hysteresis: the bucket's current arm is kept unless
+  the candidate's bound is ``hysteresis`` (2 %) lower.
+* **Extras for γ > 0**: (a) prompt prefill in steady state -- the draft must prefill every new prompt,
+  so each γ>0 arm pays C_catch(prompt tokens entering decode per step) (EMA); (b) switching on from γ=0
+  pays the catch-up of the *generated*-token lag (prompt tokens excluded: (a) covers them), spread over
+  the expected dwell (EMA of past γ>0 run lengths). C_catch is the catch-up line learned from
+  ``catchup_time_s`` (seeded from the profile).
+* **Memory** (``elastic_memory`` only): when requests wait and the pool cannot take one more, γ=0 is
+  credited with the batch the draft's blocks would admit: loss(0) = min(loss(0), T̂(B', 0) / B'),
+  B' = B + min(waiting, draft_blocks / blocks-per-request, max_batch − B). The weight mover offloads
+  after γ=0 holds for its persist steps, so offload follows from this decision.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nightjar.actors.policies import PlannerState, Policy, StepResult, SwitchCostModel, bucket, bucket_label
+
+__all__ = ["AcceptanceModel", "ModelNightjarPolicy", "MODEL_OPTS", "load_profile"]
+
+MODEL_OPTS = ("profile", "z", "z_accept", "model_sd", "noise_floor", "arm_discount", "stale_discount", "level_rate",
+              "accept_window", "rho_prior", "cusum_k", "cusum_h", "cusum_keep", "hysteresis",
+              "dwell0", "switch_cost", "prompt_charge", "kv_cost", "prior_weight", "hysteresis_onoff")
+
+
+def load_profile(profile: Any):
+    """A profile object (``target_time``, ``draft_time``) from itself, a dict or a JSON path; None stays None."""
+    if profile is None or hasattr(profile, "target_time"):
+        return profile
+    from nightjar.sim.profile_model import Profile          # stdlib-only module
+    if isinstance(profile, dict):
+        return Profile.from_json(profile)
+    return Profile.load(str(profile))
+
+
+class AcceptanceModel:
+    """Per-position acceptance shared across batch sizes, with one-sided change detection."""
+
+    def __init__(self, gamma_max: int, window: float = 400.0, prior: float = 0.5, z: float = 1.0,
+                 cusum_k: float = 0.5, cusum_h: float = 8.0, keep: float = 0.2, prior_weight: float = 4.0) -> None:
+        self.g, self.d, self.pw = gamma_max, 1.0 - 1.0 / window, prior_weight
+        self.prior, self.z = prior, z
+        self.acc = [0.0] * gamma_max
+        self.n = [0.0] * gamma_max
+        self.k, self.h, self.keep = cusum_k, cusum_h, keep
+        self.up = self.dn = 0.0
+        self.alarms = 0
+        self.e = [1.0] * (gamma_max + 1)
+        self.e_hi = [1.0] * (gamma_max + 1)
+        self._refresh()
+
+    def rho(self, i: int) -> float:
+        """Smoothed rate at position i: ``prior_weight`` pseudo-samples at the previous position's rate
+        (``prior`` for the first), so deep positions, which see data slowly, start from their neighbour."""
+        prior = self.rho(i - 1) if i else self.prior
+        return (self.acc[i] + self.pw * prior) / (self.n[i] + self.pw)
+
+    def _refresh(self) -> None:
+        """Recompute E(γ) and its optimistic version."""
+        p = p_hi = 1.0
+        prior = self.prior
+        for i in range(self.g):
+            r = (self.acc[i] + self.pw * prior) / (self.n[i] + self.pw)
+            prior = r
+            r_hi = min(0.995, r + self.z * math.sqrt(r * (1.0 - r) / (self.n[i] + self.pw)))
+            p, p_hi = p * r, p_hi * r_hi
+            self.e[i + 1] = self.e[i] + p
+            self.e_hi[i + 1] = self.e_hi[i] + p_hi
+
+    def observe(self, per_pos: tuple[int, ...], drafts: int) -> None:
+        """One drafting step: ``drafts`` rows, ``per_pos[i]`` of them accepted position i."""
+        if drafts <= 0 or not per_pos:
+            return
+        self._detect(per_pos[0], drafts)
+        reached = drafts
+        for i, a in enumerate(per_pos[: self.g]):
+            if reached <= 0:
+                break
+            f = self.d ** reached
+            self.acc[i] = f * self.acc[i] + a
+            self.n[i] = f * self.n[i] + reached
+            reached = a
+        self._refresh()
+
+    def _detect(self, a: int, n: int) -> None:
+        """CUSUMs on first-position acceptance: a drop and a rise, each forgets part of the counts."""
+        if self.n[0] < 20.0:
+            return
+        r = min(max(self.rho(0), 0.02), 0.98)
+        z = max(-4.0, min(4.0, (a - n * r) / math.sqrt(n * r * (1.0 - r))))
+        self.up = max(0.0, self.up + z - self.k)
+        self.dn = max(0.0, self.dn - z - self.k)
+        if self.up > self.h or self.dn > self.h:
+            self.up = self.dn = 0.0
+            self.alarms += 1
+            self.acc = [x * self.keep for x in self.acc]
+            self.n = [x * self.keep for x in self.n]
+
+
+class _Arm:
+    """Discounted sums (per sample of the arm) of the ratio measured / (level · base) for one
+    (bucket, γ); ``t`` is the bucket's step count at the last sample: an arm left alone keeps its
+    mean but its confidence decays per step of the bucket, so it is re-tried if it could be best."""
+
+    __slots__ = ("n", "w", "s", "t")
+
+    def __init__(self) -> None:
+        self.n, self.w, self.s, self.t = 0, 0.0, 0.0, 0
+
+
+def _extrapolate(ts: list[tuple[float, float]], arms: list[_Arm]) -> None:
+    """Without a profile: an arm with no data in the bucket gets the line through the played arms'
+    times over γ (sample-weighted least squares, ≥ 2 played arms), keeping its prior uncertainty."""
+    sw = sx = sy = sxx = sxy = 0.0
+    for g, (t, _) in enumerate(ts):
+        w = arms[g].w
+        if w > 0.0:
+            sw, sx, sy, sxx, sxy = sw + w, sx + w * g, sy + w * t, sxx + w * g * g, sxy + w * g * t
+    var = sxx * sw - sx * sx
+    if var <= 1e-9 * sw * sw:
+        return
+    slope = (sxy * sw - sx * sy) / var
+    icpt = (sy - slope * sx) / sw
+    for g, arm in enumerate(arms):
+        if arm.w <= 0.0:
+            ts[g] = (max(icpt + slope * g, 0.05 * ts[g][0]), ts[g][1])
+
+
+class _Scaled:
+    """A profile whose step times are multiplied by ``scale`` (a deliberately wrong model)."""
+
+    def __init__(self, profile: Any, scale: float) -> None:
+        self.p, self.scale = profile, scale
+        self.name = f"{getattr(profile, 'name', 'profile')}x{scale:g}"
+        self.prefill_s_per_token = getattr(profile, "prefill_s_per_token", 0.0) * scale
+        self.catchup_c0 = getattr(profile, "catchup_c0", 0.0) * scale
+        self.catchup_per_token = getattr(profile, "catchup_per_token", 0.0) * scale
+
+    def target_time(self, b: float, q: float) -> float:
+        return self.p.target_time(b, q) * self.scale
+
+    def draft_time(self, b: float) -> float:
+        return self.p.draft_time(b) * self.scale
+
+
+def _generic_base(b: int, g: int) -> float:
+    """Profile-free prior shape (relative units): a fixed cost, a draft pass ~12 % of it per γ, and
+    a per-token cost past a 4-token knee (1/16 of the fixed cost per token). Corrections refine it."""
+    return 1.0 + 0.12 * g + max(0, b * (g + 1) - 4) / 16.0
+
+
+class ModelNightjarPolicy(Policy):
+    """The default Nightjar planner: model-based, optimistic, with hysteresis and a memory term."""
+
+    name = "nightjar"
+    elastic_memory = True
+
+    def __init__(self, gamma_max: int, seed: int = 0, *, profile: Any = None, z: float = 1.5,
+                 z_accept: float = 0.5, model_sd: float | None = None, noise_floor: float = 0.02,
+                 arm_discount: float = 0.97, stale_discount: float = 0.98, level_rate: float = 0.2, accept_window: float = 400.0,
+                 rho_prior: float = 0.5, cusum_k: float = 0.5, cusum_h: float = 8.0, cusum_keep: float = 0.2,
+                 hysteresis: float = 0.02, hysteresis_onoff: float = 0.04, dwell0: float = 64.0, switch_cost: bool = True, prior_weight: float | None = None,
+                 prompt_charge: bool = True, kv_cost: bool = True) -> None:
+        super().__init__(gamma_max)
+        if not 0.0 < arm_discount <= 1.0 or not 0.0 < level_rate <= 1.0 or (model_sd or 1) <= 0 or z < 0:
+            raise ValueError("nightjar: arm_discount and level_rate in (0, 1], model_sd > 0, z >= 0")
+        self.seed = seed                    # deterministic: no randomness is drawn
+        self.profile = load_profile(profile)
+        self.model_sd, self.prior_weight = model_sd, prior_weight
+        self.z, self.noise_floor = z, noise_floor
+        self._set_model_var()
+        self.arm_discount, self.level_rate, self.hyst = arm_discount, level_rate, hysteresis
+        self.hyst_onoff, self.stale_discount = hysteresis_onoff, stale_discount
+        self.drift_var = 0.03 ** 2
+        self.accept = AcceptanceModel(gamma_max, accept_window, rho_prior, z_accept, cusum_k, cusum_h, cusum_keep)
+        self.level = 0.0                    # seconds per base unit; 0 until the first decode step
+        self.noise2 = 0.05 ** 2             # per-step squared relative deviation (EMA)
+        self.pf_nx = self.pf_xx = 0.0       # prefill seconds/token: Σ n·resid, Σ n²  (discounted)
+        self.pf_obs = 0
+        self.switch = SwitchCostModel("sum", self._catchup_seed())
+        self.switch_cost, self.prompt_charge, self.kv_cost = switch_cost, prompt_charge, kv_cost
+        self.dwell, self._run = float(dwell0), 0
+        self.new_tok = self.new_req = 0.0   # EMA of prompt tokens / prompts entering decode per step
+        self._base: list[list[float] | None] = []
+        self._arms: list[list[_Arm]] = []
+        self._cur: list[int] = []
+        self._steps: list[int] = []          # observed steps per bucket
+        self._now = self._c = 0
+        self._levels: list[float] = []      # per bucket, without a profile
+        self.last_explore = False
+        self.decisions = self.kv_decisions = 0
+
+    def set_profile(self, profile: Any, scale: float = 1.0) -> None:
+        """Use ``profile`` (times multiplied by ``scale``) as the step-time model from now on."""
+        self.profile = _Scaled(load_profile(profile), scale) if scale != 1.0 else load_profile(profile)
+        self._base = []
+        self._set_model_var()
+        if self.switch.observations == 0:
+            self.switch = SwitchCostModel("sum", self._catchup_seed())
+
+    def _set_model_var(self) -> None:
+        """Prior of the step-time model: sd 8 % and 4 pseudo-samples with a profile; sd 30 % and half
+        a pseudo-sample for the generic prior (unless given)."""
+        has = self.profile is not None
+        sd = self.model_sd if self.model_sd is not None else (0.08 if has else 0.30)
+        self.model_var = sd * sd
+        self.prior_w = self.prior_weight if self.prior_weight is not None else (4.0 if has else 0.5)
+
+    # ------------------------------------------------------------ model pieces
+    def _catchup_seed(self) -> tuple[float, float] | None:
+        p = self.profile
+        c1 = getattr(p, "catchup_per_token", None) if p is not None else None
+        return None if c1 is None else (float(getattr(p, "catchup_c0", 0.0)), float(c1))
+
+    def base_row(self, b: int) -> list[float]:
+        """base(B, γ) for γ = 0..gamma_max (cached per B)."""
+        while len(self._base) <= b:
+            self._base.append(None)
+        row = self._base[b]
+        if row is None:
+            p, G = self.profile, self.gamma_max
+            if p is None:
+                row = [_generic_base(b, g) for g in range(G + 1)]
+            else:
+                row = [p.target_time(b, g + 1) + g * p.draft_time(b) for g in range(G + 1)]
+                row = [max(x, 1e-9) for x in row]
+            self._base[b] = row
+        return row
+
+    def _ctx(self, c: int) -> list[_Arm]:
+        """The bucket's arms; sets ``_now`` to its step count (what arm decay is measured against)."""
+        while len(self._arms) <= c:
+            self._arms.append([_Arm() for _ in range(self.gamma_max + 1)])
+            self._cur.append(-1)
+            self._steps.append(0)
+        self._now = self._steps[c]
+        self._c = c
+        return self._arms[c]
+
+    def _level(self) -> float:
+        """Seconds per base unit for the bucket ``_ctx`` last selected: one global level with a
+        profile; per bucket without one (the generic prior's B-shape is not trusted across buckets),
+        a new bucket starting from the nearest one below it that has a level."""
+        if self.profile is not None:
+            return self.level
+        lv = self._levels
+        c = self._c
+        while len(lv) <= c:
+            lv.append(0.0)
+        if lv[c] <= 0.0:
+            return next((lv[i] for i in range(c - 1, -1, -1) if lv[i] > 0.0), self.level)
+        return lv[c]
+
+    def _set_level(self, v: float) -> None:
+        self.level = v
+        if self.profile is None:
+            self._levels[self._c] = v
+
+    def predict(self, b: int, g: int) -> tuple[float, float]:
+        """(T̂ seconds, its relative standard error) for B rows at γ (no extras)."""
+        arms = self._ctx(bucket(b))
+        return self._time(arms[g], self.base_row(b)[g])
+
+    def _time(self, arm: _Arm, base: float) -> tuple[float, float]:
+        """Correction = (k·1 + Σ ratio) / (k + w): k = ``prior_weight`` pseudo-samples at the model, so
+        a young arm's first samples cannot absorb a drift the level is still learning; its standard
+        error falls from ``model_sd`` (no data) to the per-step noise / √w."""
+        k, w = self.prior_w, arm.w
+        mean = (k + arm.s) / (k + w)
+        if w and arm.t != self._now:              # stale samples keep their mean but lose confidence
+            w *= self.stale_discount ** (self._now - arm.t)
+        se = math.sqrt(self.model_var * k * k + max(self.noise2, self.noise_floor ** 2) * w) / (k + w)
+        lvl = self._level()
+        lvl = lvl if lvl > 0.0 else (1.0 if self.profile is not None else 0.03)
+        return lvl * base * mean, se
+
+    # ------------------------------------------------------------ decide
+    def decide(self, batch_size: int, state: PlannerState) -> int:
+        """Optimistic argmin of seconds per token, kept unless clearly beaten (hysteresis)."""
+        if not state.draft_resident or batch_size <= 0:
+            return 0
+        b, c = batch_size, bucket(batch_size)
+        arms, row = self._ctx(c), self.base_row(b)
+        e_hi, z = self.accept.e_hi, self.z
+        extra = self._extras(state)
+        ts = [self._time(arms[g], row[g]) for g in range(self.gamma_max + 1)]
+        if self.profile is None:
+            _extrapolate(ts, arms)
+        scores = [ts[0][0] * (1.0 - z * ts[0][1]) / b]
+        for g in range(1, self.gamma_max + 1):
+            t, se = ts[g]
+            scores.append((t * (1.0 - z * se) + extra) / (b * e_hi[g]))
+        if self.kv_cost and self.elastic_memory:
+            scores[0] = min(scores[0], self._kv_alt(b, state))
+        self.last_scores = scores
+        best = min(range(len(scores)), key=scores.__getitem__)
+        cur = self._cur[c]
+        if 0 <= cur <= self.gamma_max and best != cur:
+            h = self.hyst_onoff if best == 0 else self.hyst     # switching on already pays its catch-up
+            if scores[best] > (1.0 - h) * scores[cur]:
+                best = cur
+        self._cur[c] = best
+        self.decisions += 1
+        self.last_explore = False
+        return best
+
+    def _extras(self, state: PlannerState) -> float:
+        """Seconds per step every γ>0 arm pays beyond T̂: steady prompt prefill + spread catch-up."""
+        ab = self.switch.coef()
+        if ab is None:
+            return 0.0
+        c0, c1 = ab
+        if self.prompt_charge:
+            self.new_tok = 0.95 * self.new_tok + 0.05 * state.new_prompt_tokens
+            self.new_req = 0.95 * self.new_req + 0.05 * state.new_prompts
+        out = c1 * self.new_tok + c0 * min(1.0, self.new_req) if self.prompt_charge else 0.0
+        if self.switch_cost and state.prev_gamma == 0:
+            lag = state.lag_tokens if state.lag_tokens >= 0 else state.max_draft_lag
+            if lag > 0:
+                out += (c0 + c1 * lag) / self.dwell
+        return out
+
+    def _kv_alt(self, b: int, state: PlannerState) -> float:
+        """Seconds per token at γ=0 with the draft's blocks serving as KV (inf when memory is not short)."""
+        w, free, used = state.num_waiting, state.free_blocks, state.total_blocks - state.free_blocks
+        if w <= 0 or free < 0 or state.draft_blocks <= 0 or used <= 0:
+            return math.inf
+        per_req = used / b
+        if free >= per_req:
+            return math.inf                          # the pool could take another request: not KV-bound
+        extra = min(w, int(state.draft_blocks / per_req), max(0, state.max_batch - b))
+        if extra <= 0:
+            return math.inf
+        b2 = b + extra
+        now, c = self._now, self._c
+        t, _ = self._time(self._ctx(bucket(b2))[0], self.base_row(b2)[0])
+        self._now, self._c = now, c
+        self.kv_decisions += 1
+        return t / b2
+
+    # ------------------------------------------------------------ observe
+    def observe(self, result: StepResult) -> None:
+        """Update acceptance, the catch-up line, dwell, the prefill term, level and the played arm."""
+        r = result
+        self.switch.observe(r)
+        if r.batch_size <= 0 or not 0 <= r.gamma <= self.gamma_max:
+            return
+        if r.gamma > 0:
+            self._run += 1
+            if r.accepted_per_pos:
+                self.accept.observe(r.accepted_per_pos, r.num_drafts or r.batch_size)
+        elif self._run:
+            self.dwell = min(512.0, max(16.0, 0.9 * self.dwell + 0.1 * self._run))
+            self._run = 0
+        if r.step_time_s > 0.0:
+            self._learn_time(r)
+
+    def _learn_time(self, r: StepResult) -> None:
+        b, g = r.batch_size, r.gamma
+        base = self.base_row(b)[g]
+        arm = self._ctx(bucket(b))[g]
+        t = r.step_time_s
+        if r.num_prefill_tokens > 0:
+            if self._level() <= 0.0:
+                return
+            t = self._strip_prefill(t, r.num_prefill_tokens, self._time(arm, base)[0])
+            if t is None:
+                return
+        lvl = self._level()
+        if lvl <= 0.0:
+            lvl = t / base
+        else:                                   # the surprise goes to the level (common drift) or to
+            pred, se = self._time(arm, base)    # the arm, by how well the arm is known: a young or
+            dev = t / pred - 1.0                # stale arm mostly corrects itself
+            self.noise2 += 0.05 * (min(dev * dev, 1.0) - self.noise2)
+            share = self.drift_var / (self.drift_var + se * se)
+            lvl *= 1.0 + self.level_rate * share * dev
+        self._set_level(lvl)
+        ratio = t / (lvl * base)
+        c = bucket(b)
+        self._steps[c] += 1
+        d = self.arm_discount
+        arm.n, arm.t = arm.n + 1, self._steps[c]
+        arm.w = d * arm.w + 1.0
+        arm.s = d * arm.s + ratio
+        if self.profile is None:
+            self._renormalise(self._arms[c])
+
+    def _renormalise(self, arms: list[_Arm]) -> None:
+        """Without a profile: fold the bucket's mean correction into its level, so an arm with no
+        data is predicted at the sample-weighted mean ratio of the arms played (level and
+        corrections are otherwise only identified as a product)."""
+        sw = sum(a.w for a in arms)
+        avg = sum(a.s for a in arms) / sw if sw > 0.0 else 1.0
+        if avg > 0.0 and abs(avg - 1.0) > 1e-3:
+            self._set_level(self._level() * avg)
+            for a in arms:
+                a.s /= avg
+
+    def _strip_prefill(self, t: float, n: int, pred: float) -> float | None:
+        """Decode-only time of a mixed step (None while the per-token prefill term is unlearned)."""
+        resid = t - pred
+        self.pf_nx = 0.98 * self.pf_nx + n * resid
+        self.pf_xx = 0.98 * self.pf_xx + n * n
+        self.pf_obs += 1
+        if self.pf_obs < 3:
+            return None
+        left = t - max(0.0, self.pf_nx / self.pf_xx) * n
+        return left if left > 0.3 * pred else None
+
+    # ------------------------------------------------------------ introspection
+    def snapshot(self) -> dict:
+        """Acceptance, level, dwell, catch-up line and per-bucket arm counts and predicted times."""
+        ab = self.switch.coef()
+        ctxs = {}
+        for c, arms in enumerate(self._arms):
+            if any(a.n for a in arms):
+                b = 1 << c
+                ctxs[bucket_label(c)] = {"n": [a.n for a in arms], "current": self._cur[c],
+                                         "t_s": [self.predict(b, g)[0] for g in range(self.gamma_max + 1)]}
+        return {**super().snapshot(), "elastic_memory": self.elastic_memory, "model": "nightjar-v2",
+                "profile": getattr(self.profile, "name", None), "level": self.level,
+                "rho": [self.accept.rho(i) for i in range(self.gamma_max)], "E": list(self.accept.e),
+                "accept_alarms": self.accept.alarms, "dwell": self.dwell,
+                "prefill_s_per_token": self.pf_nx / self.pf_xx if self.pf_xx else None,
+                "c_switch": None if ab is None else list(ab), "contexts": ctxs,
+                "decisions": self.decisions, "kv_decisions": self.kv_decisions}
