@@ -236,7 +236,7 @@ class Engine:
         if self.weights.slot is not None:
             from nightjar.transfer.weights import DraftTransfer
 
-            self.weights.transfer = DraftTransfer(asyncio.get_running_loop())
+            self.weights.transfer = DraftTransfer(asyncio.get_running_loop(), failed=self.weights.copy_failed)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute")
         for a in self.actors + [self.collector]:
             task = asyncio.create_task(a.run(self._executor), name=f"actor:{a.name}")
@@ -323,6 +323,8 @@ class Engine:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         rid = next(self._ids) if request_id is None else request_id
+        if rid in self.collector.queues:
+            raise RequestError(f"request id {rid} is already in flight", status=400)
         q: asyncio.Queue = asyncio.Queue()
         self.collector.queues[rid] = q
         try:

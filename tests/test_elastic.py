@@ -228,3 +228,44 @@ def test_the_draft_comes_back_while_a_light_load_still_runs_with_default_limits(
             await pool_settled(eng)
             assert_pool_clean(eng)
     asyncio.run(main())
+
+
+def test_a_failed_copy_leaves_the_draft_where_it_was_and_the_engine_serving(make_engine, smol_tokenizer, tiny_pair):
+    from nightjar.kernel.messages import TransferFinished
+    from nightjar.transfer import weights as tw
+    from tests.test_replay import private_pair
+
+    def broken(self, *args):
+        raise MemoryError("injected copy failure")
+
+    async def main():
+        async with make_engine("fixed:2", pair=private_pair(tiny_pair), num_blocks=64, block_size=8) as eng:
+            failures = events_of(eng, (TransferFinished,))
+            ids = smol_tokenizer.encode("hello")
+            real_off, real_back = tw.DraftTransfer._offload, tw.DraftTransfer._reload
+            tw.DraftTransfer._offload = broken
+            try:
+                eng.bus.publish("test", [OffloadDraft(reason="test")])
+                await wait_for(lambda: any(f.error for f in failures), what="the failed offload")
+                await wait_state(eng, "RESIDENT")                   # nothing was released: still resident
+            finally:
+                tw.DraftTransfer._offload = real_off
+            eng.bus.publish("test", [OffloadDraft(reason="test")])
+            await wait_state(eng, "OFFLOADED")
+            await wait_for(lambda: eng.allocator.num_total > 64, what="pool growth")
+            grown = eng.allocator.num_total
+            tw.DraftTransfer._reload = broken
+            try:
+                eng.bus.publish("test", [ReloadDraft(reason="test")])
+                await wait_for(lambda: sum(1 for f in failures if f.error) == 2, what="the failed reload")
+                await wait_state(eng, "OFFLOADED")                  # the host copy is intact
+                await wait_for(lambda: eng.allocator.num_total == grown, what="the pool growing back")
+            finally:
+                tw.DraftTransfer._reload = real_back
+            eng.bus.publish("test", [ReloadDraft(reason="test")])
+            await wait_state(eng, "RESIDENT")
+            outs = [o async for o in eng.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))]
+            assert outs[-1].num_output_tokens == 12 and eng.healthy and eng.stats.accepted_tokens > 0
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+    asyncio.run(main())

@@ -293,3 +293,19 @@ def test_adaptive_policies_are_greedy_exact_too(make_engine, smol_tokenizer, pol
     ref, _ = generate_with(make_engine, "off", prompts, params)
     got, stats = generate_with(make_engine, policy, prompts, params)
     assert got == ref and stats.draft_tokens > 0
+
+
+def test_a_request_id_already_in_flight_fails_alone(make_engine, smol_tokenizer):
+    from nightjar.sampling import RequestError
+
+    async def main():
+        async with make_engine("fixed:2") as eng:
+            ids = smol_tokenizer.encode("hello")
+            first = eng.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True), request_id=77)
+            out = [await first.__anext__()]
+            with pytest.raises(RequestError, match="already in flight"):
+                async for _ in eng.generate(ids, SamplingParams(max_tokens=2), request_id=77):
+                    pass
+            out += [o async for o in first]
+            assert sum(len(o.token_ids) for o in out) == 8 and out[-1].finish_reason == "length"
+    asyncio.run(main())

@@ -63,6 +63,8 @@ class Admission(Actor):
 
     def _submit(self, msg: SubmitRequest):
         why = validate(msg.prompt_ids, msg.sampling, self.vocab_size, self.max_model_len, self.pool_tokens)
+        if msg.req_id in self.in_flight:
+            why = f"request id {msg.req_id} is already in flight"
         if why:
             return RequestRejected(req_id=msg.req_id, status=400, message=why)
         if len(self.in_flight) >= self.max_queue:

@@ -10,6 +10,7 @@ qualifies), and an engine with no request in flight reloads at once (no steps ru
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,6 +21,8 @@ from nightjar.kernel.messages import (
     BlocksReserved, DraftOffloaded, DraftReloaded, DraftResidency, GrowPool, OffloadDraft, PoolResized,
     ReloadDraft, RequestAdmitted, ShrinkPool, StepScheduled, StepVerified, TokensCommitted, TransferFinished,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -142,7 +145,26 @@ class WeightMover(Actor):
         self.host = host
         self.bus.publish("transfer", [TransferFinished(kind="offload", nbytes=host.nbytes, duration_s=seconds)])
 
+    def copy_failed(self, kind: str, err: BaseException, seconds: float) -> None:
+        """Runs on the event loop when the transfer worker's copy raised (DraftTransfer's ``failed``)."""
+        self.bus.publish("transfer", [TransferFinished(kind=kind, nbytes=0, duration_s=seconds,
+                                                       error=f"{type(err).__name__}: {err}")])
+
+    def _transfer_failed(self, msg: TransferFinished):
+        """A copy raised. Offload: nothing was released yet, so the draft stays resident. Reload: the host
+        copy is intact, so the draft stays offloaded and the pool grows back into its blocks."""
+        log.error("draft %s failed after %.3f s: %s", msg.kind, msg.duration_s, msg.error)
+        if msg.kind == "offload" and self.state == "OFFLOADING":
+            self.state, self.offload_done = "RESIDENT", False
+            return [DraftResidency(resident=True, state=self.state)]
+        if msg.kind == "reload" and self.state == "RELOADING":
+            self.state = "OFFLOADED"
+            return [DraftResidency(resident=False, state=self.state), GrowPool(num_blocks=self.triggers.draft_blocks)]
+        return None
+
     def _transfer_finished(self, msg: TransferFinished):
+        if msg.error:
+            return self._transfer_failed(msg)
         if msg.kind == "offload" and self.state == "OFFLOADING":
             self.offload_done, self.offload_info = True, msg
             return self._finish_offload() if self.gamma_inflight == 0 else None

@@ -185,10 +185,11 @@ class ShrinkPool(Msg, frozen=True):
 
 
 class TransferFinished(Msg, frozen=True):
-    """A draft weight move finished (measured on the transfer worker)."""
+    """A draft weight move finished (measured on the transfer worker), or failed (``error`` says why)."""
     kind: str                        # "offload" | "reload"
     nbytes: int
     duration_s: float
+    error: str = ""
 
 
 class PoolResized(Msg, frozen=True):

@@ -16,6 +16,9 @@ import torch
 from nightjar.transfer.weight_pack import pack_tensors, unpack_tensors
 
 
+Failed = Callable[[str, BaseException, float], None]
+
+
 @dataclass
 class HostCopy:
     """The draft while it lives in host memory: packed weights and the draft KV segments."""
@@ -30,22 +33,32 @@ def unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 class DraftTransfer:
-    def __init__(self, loop) -> None:
-        self.loop = loop
+    def __init__(self, loop, failed: Failed | None = None) -> None:
+        """``failed(kind, error, seconds)`` runs on the loop when a copy raises ("offload" or "reload");
+        without it the error goes to the loop's exception handler. Either way it is never lost."""
+        self.loop, self.failed = loop, failed
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="nightjar-transfer")
         self.cuda = torch.cuda.is_available()
         self.stream = torch.cuda.Stream() if self.cuda else None
 
     def offload(self, slot, done: Callable[[HostCopy, float], None]) -> None:
         """Copy the draft's weights and KV to host; ``done(host, seconds)`` runs on the loop."""
-        self.pool.submit(self._run, self._offload, slot, done)
+        self.pool.submit(self._run, "offload", self._offload, (slot,), done)
 
     def reload(self, slot, host: HostCopy, done: Callable[[int, float], None]) -> None:
-        self.pool.submit(self._run, self._reload, slot, host, done)
+        self.pool.submit(self._run, "reload", self._reload, (slot, host), done)
 
-    def _run(self, fn, *args) -> None:
+    def _run(self, kind: str, fn, args, done) -> None:
         t0 = time.perf_counter()
-        result, done = fn(*args[:-1]), args[-1]
+        try:
+            result = fn(*args)
+        except Exception as e:               # the worker's future is never read: report it here
+            if self.failed is not None:
+                self.loop.call_soon_threadsafe(self.failed, kind, e, time.perf_counter() - t0)
+            else:
+                self.loop.call_soon_threadsafe(self.loop.call_exception_handler,
+                                               {"message": f"draft {kind} failed", "exception": e})
+            return
         self.loop.call_soon_threadsafe(done, result, time.perf_counter() - t0)
 
     def _offload(self, slot) -> HostCopy:

@@ -118,9 +118,6 @@ def test_aborts_of_unknown_or_rejected_requests_are_dropped():
     assert a.handle(finished(9), 0.0) is None and a.in_flight == set()      # a finish of an unknown id is harmless
 
 
-@pytest.mark.xfail(strict=True, reason="a req_id already in flight is admitted a second time; through "
-                   "Engine.generate(request_id=...) the second stream then hangs forever (the collector's queue "
-                   "and the batcher's Seq are overwritten) instead of failing that one request")
 def test_a_request_id_already_in_flight_is_rejected():
     a = Admission(VOCAB, MAX_LEN, max_queue=4)
     a.handle(submit(1), 0.0)

@@ -171,8 +171,6 @@ def test_a_reloaded_draft_decodes_like_the_original_on_a_fresh_allocation():
     assert torch.equal(slot.model(again, slot.cache), ref)
 
 
-@pytest.mark.xfail(strict=True, reason="DraftTransfer._run is submitted and its future dropped: an exception in "
-                   "a copy is swallowed, done never runs and the weight mover waits in OFFLOADING forever")
 async def test_a_failed_copy_is_not_lost(monkeypatch):
     slot = make_slot()
 
@@ -190,3 +188,18 @@ async def test_a_failed_copy_is_not_lost(monkeypatch):
         await asyncio.sleep(0)                      # let any call_soon_threadsafe callback run
     loop.set_exception_handler(None)
     assert reported, "the failure reached neither done() nor the event loop"
+
+
+async def test_a_failed_copy_reaches_the_failed_callback_on_the_loop_thread(monkeypatch):
+    import threading
+
+    slot = make_slot()
+    monkeypatch.setattr(transfer_mod, "pack_tensors", lambda tensors: (_ for _ in ()).throw(MemoryError("no host")))
+    got: list[tuple] = []
+    tr = DraftTransfer(asyncio.get_running_loop(),
+                       failed=lambda kind, err, s: got.append((kind, type(err), threading.current_thread())))
+    tr.offload(slot, lambda host, s: got.append(("done",)))
+    await asyncio.to_thread(tr.shutdown)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert got == [("offload", MemoryError, threading.current_thread())]
