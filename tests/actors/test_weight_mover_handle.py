@@ -2,18 +2,18 @@
 
 Covers the offload trigger (T_persist steps of low free blocks with speculation off), the reload trigger
 (free blocks above the draft plus τ_low plus headroom, nothing waiting), every state of
-RESIDENT -> OFFLOADING -> OFFLOADED -> SHRINKING -> RELOADING -> RESIDENT, forced OffloadDraft/ReloadDraft,
-and what is ignored. Transfers are fed as TransferFinished messages, as replay does (transfer=None);
+RESIDENT -> OFFLOADING -> OFFLOADED -> SHRINKING -> RELOADING -> RESIDENT, failed copies, forced
+OffloadDraft/ReloadDraft, and what is ignored. Transfers are fed as TransferFinished messages, as replay does (transfer=None);
 the last test runs the mover with a real DraftTransfer on a tiny model on a live loop.
 (tests/actors/test_weights.py covers the reload rule's arithmetic and the idle reload on a last finish.)
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import torch
 
-from nightjar.actors.control import StubSlot
 from nightjar.actors.weights import DraftSlot, Triggers, WeightMover
 from nightjar.kernel.bus import Bus
 from nightjar.kernel.clock import VirtualClock
@@ -29,9 +29,17 @@ from tests.conftest import random_model, tiny_config
 DRAFT = 10          # draft blocks; the base pool is 100 blocks, 110 while the draft is offloaded
 
 
+@functools.cache
+def tiny_slot() -> DraftSlot:
+    """A real draft (tiny random model, 8-block KV) on the CPU; with transfer=None nothing moves it."""
+    cfg = tiny_config(vocab=64, hidden=32, layers=2, heads=4, kv=2, eos=())
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 8, torch.float32)
+    return DraftSlot(random_model(cfg, seed=3), cache, torch.device("cpu"))
+
+
 def mover(elastic=True, draft_blocks=DRAFT, persist=3, headroom=0, slot=None) -> WeightMover:
     trig = Triggers(draft_blocks=draft_blocks, low_free_frac=0.10, persist_steps=persist, headroom_blocks=headroom)
-    return WeightMover(slot or StubSlot(4096), trig, elastic=elastic)
+    return WeightMover(slot or tiny_slot(), trig, elastic=elastic)
 
 
 def res(free: int, total: int = 100, gamma: int = 0, step: int = 1) -> BlocksReserved:
@@ -90,6 +98,8 @@ def test_a_full_cycle_driven_by_the_triggers():
         (RE_DONE, RELOADED, "RESIDENT"),
     ])
     assert (m.num_offloads, m.num_reloads, m.host) == (1, 1, None)
+    slot = tiny_slot()                                     # with no transfer (replay) no tensor is released
+    assert slot.cache.nbytes == 2 * 2 * 8 * 4 * 2 * 8 * 4 and all(p.numel() for p in slot.model.parameters())
 
 
 def test_the_offload_streak_needs_consecutive_short_steps_with_speculation_off():
@@ -143,6 +153,29 @@ def test_an_offload_that_finishes_with_no_request_in_flight_reloads_at_once():
     m = mover()
     play(m, [(OffloadDraft(), [state("OFFLOADING")], "OFFLOADING"),
              (OFF_DONE, OFFLOADED + SHRINK, "SHRINKING")])
+
+
+def test_a_failed_copy_leaves_the_draft_where_it_was():
+    m = mover()
+    off_failed = TransferFinished(kind="offload", nbytes=0, duration_s=0.5, error="MemoryError: no host")
+    re_failed = TransferFinished(kind="reload", nbytes=0, duration_s=0.5, error="RuntimeError: copy")
+    play(m, [
+        (admit(), None, "RESIDENT"),
+        (OffloadDraft(), [state("OFFLOADING")], "OFFLOADING"),
+        (off_failed, [state("RESIDENT", True)], "RESIDENT"),        # nothing was released: speculate again
+        (verified(), None, "RESIDENT"),
+        (re_failed, None, "RESIDENT"),                               # not reloading: ignored
+        (OffloadDraft(), [state("OFFLOADING")], "OFFLOADING"),
+        (OFF_DONE, OFFLOADED, "OFFLOADED"),
+        (off_failed, None, "OFFLOADED"),
+        (ReloadDraft(), SHRINK, "SHRINKING"),
+        (SHRUNK, [state("RELOADING")], "RELOADING"),
+        (re_failed, [state("OFFLOADED"), GrowPool(num_blocks=DRAFT)], "OFFLOADED"),   # the pool grows back
+        (ReloadDraft(), SHRINK, "SHRINKING"),                        # and the host copy can be tried again
+        (SHRUNK, [state("RELOADING")], "RELOADING"),
+        (RE_DONE, RELOADED, "RESIDENT"),
+    ])
+    assert (m.num_offloads, m.num_reloads) == (1, 1)
 
 
 # ---- commands ----------------------------------------------------------------------------------
