@@ -1,0 +1,77 @@
+"""Planner cost per decision (issue 13 budget: <= 20 µs, pure Python): decide() and observe() separately.
+
+  python bench/planner_cost.py [--calls 20000] [--policies nightjar,nightjar-paper,dsd] [--repeats 3]
+
+Each policy is first warmed on 2,000 simulated steps (CPU profile, weak draft, B cycling 1..64, so every
+bucket has data), then decide() is timed over ``--calls`` calls with varied B and planner state, and
+observe() over as many recorded step results; repetitions are interleaved across policies and the
+median is printed (the box is shared and noisy).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+from nightjar.actors.policies import PlannerState, make_policy
+from nightjar.sim.planner_env import WEAK, PlannerEnv
+from nightjar.sim.profile_model import Profile
+
+PROFILE = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data" / "profile_cpu_bf16.json"
+
+
+def warmed(spec: str, prof: Profile):
+    opts = {"profile": prof} if spec in ("nightjar", "nightjar-nooffload") else {}
+    pol = make_policy(spec, gamma_max=4, seed=0, **opts)
+    env, rng = PlannerEnv(prof, WEAK), random.Random(0)
+    results = []
+    for t in range(2000):
+        b = 1 + (t * 7) % 64
+        r = env.step(b, pol.decide(b, PlannerState(True, 0, 1, lag_tokens=0)), rng)
+        pol.observe(r)
+        results.append(r)
+    return pol, results
+
+
+def time_calls(pol, results, calls: int) -> tuple[float, float]:
+    states = [PlannerState(True, i % 40, i % 3, lag_tokens=(i % 5) * 30, new_prompt_tokens=(i % 7) * 20,
+                           new_prompts=i % 2, num_waiting=i % 3, free_blocks=i % 50, total_blocks=700,
+                           draft_blocks=120, max_batch=64) for i in range(64)]
+    sizes = [1 + (i * 13) % 64 for i in range(64)]
+    t0 = time.perf_counter()
+    for i in range(calls):
+        pol.decide(sizes[i & 63], states[i & 63])
+    t1 = time.perf_counter()
+    n = len(results)
+    for i in range(calls):
+        pol.observe(results[i % n])
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t1) / calls * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--policies", default="nightjar,nightjar-paper,dsd")
+    a = p.parse_args()
+    prof = Profile.load(str(PROFILE))
+    pols = {s: warmed(s, prof) for s in a.policies.split(",")}
+    dec = {s: [] for s in pols}
+    obs = {s: [] for s in pols}
+    for _ in range(a.repeats):
+        for s, (pol, res) in pols.items():
+            d, o = time_calls(pol, res, a.calls)
+            dec[s].append(d)
+            obs[s].append(o)
+    print(f"{'policy':<16} {'decide µs':>10} {'observe µs':>11} {'sum µs':>8}   (median of {a.repeats}, {a.calls} calls each)")
+    for s in pols:
+        d, o = statistics.median(dec[s]), statistics.median(obs[s])
+        print(f"{s:<16} {d:>10.2f} {o:>11.2f} {d + o:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
