@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, ClassVar
 
-import msgspec
 import torch
 
 from nightjar.actors.admission import context_limit
+from nightjar.actors.control import ControlSpec
 from nightjar.actors.draft import DraftBuffers, DraftExecutor
 from nightjar.actors.verifier import Verifier
 from nightjar.actors.weights import DraftSlot
@@ -185,9 +185,7 @@ class Engine:
         from nightjar.actors.control import build_control_actors
 
         c = self.config
-        built, failed = build_control_actors(self.trace_header())
-        if failed:
-            raise RuntimeError(f"cannot build control actors: {failed}")
+        built = build_control_actors(self.control_spec())
         self.batcher, self.planner, self.weights = built["batcher"], built["planner"], built["weights"]
         kv = built["kv"]
         kv.cache, self.allocator = self.cache, kv.alloc
@@ -253,17 +251,18 @@ class Engine:
             self.tracer = TraceWriter(self.config.trace, self.trace_header(), max_bytes=self.config.trace_max_bytes)
             self.bus.add_tap(self.tracer.write)
 
+    def control_spec(self) -> ControlSpec:
+        """The typed values the control plane is built from (also the core of the trace header)."""
+        m, tc = self.memory, self.target.config
+        return ControlSpec(config=self.config, vocab_size=tc.vocab_size, num_blocks=m.num_blocks,
+                           eos_token_ids=tuple(tc.eos_token_ids), max_position=tc.max_position,
+                           draft=str(self.draft.source) if self.draft else None, draft_bytes=m.draft_footprint,
+                           draft_blocks=m.draft_footprint // m.block_bytes)
+
     def trace_header(self) -> dict:
-        """What a trace needs to re-drive the control plane: config, sizes, model identities."""
-        return {
-            "config": msgspec.to_builtins(self.config), "num_blocks": self.memory.num_blocks,
-            "draft_num_blocks": self.memory.draft_num_blocks,
-            "draft_blocks": self.memory.draft_footprint // self.memory.block_bytes,
-            "draft_bytes": self.memory.draft_footprint, "eos_token_ids": list(self.target.config.eos_token_ids),
-            "vocab_size": self.target.config.vocab_size, "max_position": self.target.config.max_position,
-            "target": self.target.source, "draft": self.draft.source if self.draft else None,
-            "torch": torch.__version__,
-        }
+        """What a trace needs to re-drive the control plane (the ControlSpec) plus model identities."""
+        return {**self.control_spec().header(), "draft_num_blocks": self.memory.draft_num_blocks,
+                "target": str(self.target.source), "torch": torch.__version__}
 
     def _on_actor_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or self._error is not None:

@@ -21,7 +21,7 @@ import msgspec
 from nightjar.kernel.bus import Envelope
 from nightjar.kernel.messages import Msg
 from nightjar.kernel.trace import TraceError, TraceReader
-from nightjar.actors.control import CONTROL_ACTORS, build_control_actors
+from nightjar.actors.control import CONTROL_ACTORS, ControlBuildError, build_control_actors, spec_from_header
 
 # Measured fields: a replayed actor cannot reproduce wall-clock durations, so they are not compared.
 MEASURED_FIELDS = frozenset({"duration_s", "step_time_s", "draft_time_s", "catchup_time_s"})
@@ -111,10 +111,10 @@ class ControlReplay:
     def __init__(self, header: dict, actors: Iterable[str] = CONTROL_ACTORS, oracle: Iterable[str] = (),
                  context: int = 4) -> None:
         names = [a for a in actors if a not in set(oracle)]
-        built, failed = build_control_actors(header, names)
+        built = build_control_actors(spec_from_header(header), names)     # a failure is an error, not an oracle
         self.header = header
         self.states = {n: _Replayed(n, a) for n, a in built.items()}
-        self.oracles = {**{n: "--oracle" for n in oracle}, **failed}
+        self.oracles = {n: "--oracle" for n in oracle}
         self.routes: dict[type, list[_Replayed]] = defaultdict(list)
         for st in self.states.values():
             for t in st.actor.subscribes:
@@ -358,6 +358,11 @@ def _show_filter(spec: str | None):
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]   # noqa: E731
+    unknown = sorted(set(split(a.actors) + split(a.oracle)) - set(CONTROL_ACTORS))
+    if unknown:
+        print(f"nightjar replay: error: unknown actor(s) {', '.join(unknown)}; choose from "
+              f"{', '.join(CONTROL_ACTORS)}", file=sys.stderr)
+        return 2
     try:
         res = replay_file(a.file, until=a.until, actors=split(a.actors), oracle=split(a.oracle),
                           on_env=_show_filter(a.show), allow_schema_drift=a.allow_schema_drift,
@@ -365,13 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, OSError) as e:
         print(f"nightjar replay: {e}", file=sys.stderr)
         return 2
+    except ControlBuildError as e:
+        print(f"nightjar replay: {e} (pass --oracle to treat that actor as recorded)", file=sys.stderr)
+        return 1
     print(res.summary())
     if not res.ok:
         return 1
     if a.full:
         full = full_replay(a.file, allow_schema_drift=a.allow_schema_drift)
         print(f"full replay: {full.exact} requests identical, {len(full.mismatched)} mismatched, "
-              f"{len(full.informational)} sampled requests differ under a timing-dependent γ schedule, "
+              f"{len(full.informational)} unseeded sampled requests differ (their draws follow γ), "
               f"{full.skipped} skipped")
         for line in full.details[:10]:
             print("  " + line)

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 from nightjar.kernel.messages import SamplingSpec, SubmitRequest
-from nightjar.actors.control import build_control_actors
+from nightjar.actors.control import ControlSpec, build_control_actors
+from nightjar.kernel.config import EngineConfig
 from nightjar.sim.dispatch import SyncBus
 from nightjar.sim.executors import DEFAULT_ACCEPTANCE, SimCollector, SimExecutor, SimTransfer, fit_acceptance
 from nightjar.sim.profile_model import Profile, roofline_profile
@@ -65,19 +66,17 @@ class SimResult:
         return self.out_tokens / self.sim_time_s if self.sim_time_s > 0 else 0.0
 
 
-def sim_header(profile: Profile, policy: str, cfg: SimConfig) -> dict:
-    """A trace-header-shaped dict for ``build_control_actors`` (synthetic vocab, no eos)."""
-    config = {"policy": policy, "gamma_max": cfg.gamma_max, "block_size": profile.block_size,
-              "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-              "max_model_len": cfg.max_model_len, "max_queue": cfg.max_queue, "seed": cfg.seed,
-              "elastic_memory": cfg.elastic_memory, "low_free_frac": cfg.low_free_frac,
-              "persist_steps": cfg.persist_steps}
-    out = {"config": config, "num_blocks": cfg.num_blocks or profile.num_blocks, "vocab_size": 32,
-           "eos_token_ids": [], "max_position": cfg.max_model_len, "draft": "sim",
-           "draft_bytes": profile.draft_bytes, "draft_blocks": profile.draft_blocks}
-    if cfg.planner_profile:          # the model-based planner's step-time model (replay rebuilds it from here)
-        out["planner_profile"] = {"profile": profile.to_json(), "scale": cfg.planner_profile_scale}
-    return out
+def sim_spec(profile: Profile, policy: str, cfg: SimConfig) -> ControlSpec:
+    """The ControlSpec of a simulated engine (synthetic vocab, no eos)."""
+    config = EngineConfig(policy=policy, gamma_max=cfg.gamma_max, block_size=profile.block_size,
+                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          max_model_len=cfg.max_model_len, max_queue=cfg.max_queue, seed=cfg.seed,
+                          elastic_memory=cfg.elastic_memory, low_free_frac=cfg.low_free_frac,
+                          persist_steps=cfg.persist_steps)
+    prof = {"profile": profile.to_json(), "scale": cfg.planner_profile_scale} if cfg.planner_profile else None
+    return ControlSpec(config=config, num_blocks=cfg.num_blocks or profile.num_blocks, vocab_size=32,
+                       max_position=cfg.max_model_len, draft="sim", draft_bytes=profile.draft_bytes,
+                       draft_blocks=profile.draft_blocks, planner_profile=prof)
 
 
 class Simulation:
@@ -86,11 +85,8 @@ class Simulation:
         self.cfg = cfg = cfg or SimConfig()
         self.profile, self.workload, self.policy = profile, workload, policy
         self.bus = SyncBus()
-        header = sim_header(profile, policy, cfg)
-        actors, failed = build_control_actors(header)
-        if failed:
-            raise RuntimeError(f"cannot build control actors for simulation: {failed}")
-        self.actors = actors
+        self.spec = sim_spec(profile, policy, cfg)
+        self.actors = actors = build_control_actors(self.spec)
         actors["weights"].transfer = SimTransfer(self.bus, profile)
         self.executor = SimExecutor(profile, acceptance, cfg.max_num_seqs, cfg.gamma_max, cfg.seed)
         self.collector = SimCollector(self._finished if cfg.closed_loop else None, curve=cfg.closed_loop > 0)
@@ -99,7 +95,7 @@ class Simulation:
         self.writer = None
         if trace:
             from nightjar.kernel.trace import TraceWriter
-            self.writer = TraceWriter(trace, {**header, "simulated": profile.name}, max_bytes=None)
+            self.writer = TraceWriter(trace, {**self.spec.header(), "simulated": profile.name}, max_bytes=None)
             self.bus.taps.append(self.writer.write)
         self._prompts: dict[int, tuple[int, ...]] = {}
         self._i = 0

@@ -119,6 +119,19 @@ def test_a_tampered_decision_is_reported_at_its_seq(tmp_path, capsys):
     assert f"divergence at seq {seq} in actor 'planner'" in out
 
 
+def test_an_actor_that_cannot_be_built_is_an_error_unless_asked_to_be_an_oracle(tmp_path, capsys):
+    path = tmp_path / "hand.njtrace"
+    header = {"config": {"policy": "fixed:9", "gamma_max": 3}, "num_blocks": 64, "vocab_size": 100,
+              "draft": "d", "eos_token_ids": [2]}
+    with TraceWriter(path, header) as w:
+        w.write(Envelope(1, 0.01, "batcher", sched(1, 2)))
+    assert replay_main([str(path), "--actors", "planner"]) == 1
+    assert "cannot build the planner actor" in capsys.readouterr().err
+    assert replay_main([str(path), "--actors", "planner", "--oracle", "planner"]) == 0
+    assert replay_main([str(path), "--actors", "planner,nosuch"]) == 2
+    assert "unknown actor(s) nosuch" in capsys.readouterr().err
+
+
 def test_until_stops_early_and_show_prints_matching_envelopes(tmp_path, capsys):
     path = tmp_path / "hand.njtrace"
     seq = hand_built(path, tamper_step=6)

@@ -16,7 +16,7 @@ def test_an_empty_pool_always_qualifies_for_reload_whatever_the_limits():
                              (0.05, 0.10, 0.20))
     for seqs, batched, bs, base, draft, frac in grid:
         cfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=batched, block_size=bs, low_free_frac=frac)
-        t = triggers_of({"draft_blocks": draft}, cfg)
+        t = triggers_of(draft, cfg)
         total = base + draft
         assert t.wants_reload(free=total, total=total, waiting=0), (seqs, batched, bs, base, draft, frac)
         assert not t.wants_reload(free=total, total=total, waiting=1)
@@ -25,7 +25,7 @@ def test_an_empty_pool_always_qualifies_for_reload_whatever_the_limits():
 
 def test_the_issue_case_reloads_once_about_half_the_base_pool_is_free():
     """--device-memory 340000000 with the defaults: 101 base blocks, a 91-block draft, headroom 160."""
-    t = triggers_of({"draft_blocks": 91}, EngineConfig())
+    t = triggers_of(91, EngineConfig())
     assert t.headroom_blocks == 160
     total = 101 + 91
     assert t.reload_headroom(101) == 0.9 * 101 / 2
