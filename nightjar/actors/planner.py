@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from nightjar.actors.policies import PlannerState, StepResult, make_policy
+from nightjar.actors.policies import PlannerState, make_policy
 from nightjar.kernel.actor import Actor
-from nightjar.kernel.messages import BlocksReserved, DraftResidency, StepPlanned, StepScheduled, StepTimed
+from nightjar.kernel.messages import (
+    BlocksReserved,
+    DraftResidency,
+    StepPlanned,
+    StepScheduled,
+    StepTimed,
+)
 
 
 class Planner(Actor):
@@ -26,7 +32,6 @@ class Planner(Actor):
             self.policy.set_profile(profile, profile_scale)
         self.resident = has_draft
         self.prev_gamma = 0
-        self.gamma_counts = [0] * (gamma_max + 1)
         self.draft_blocks, self.max_batch = draft_blocks, max_batch
         self.free_blocks, self.total_blocks = -1, 0
         self.prompt_len: dict[int, int] = {}     # req_id → tokens the target prefilled before decoding
@@ -92,11 +97,4 @@ class Planner(Actor):
         if t.batch_size == 0:
             return
         self.prev_gamma = t.gamma
-        self.gamma_counts[t.gamma] += 1
-        self.policy.observe(StepResult(
-            batch_size=t.batch_size, gamma=t.gamma, step_time_s=t.step_time_s,
-            tokens_emitted=t.tokens_emitted, max_draft_lag=t.max_draft_lag,
-            catchup_time_s=t.catchup_time_s, catchup_tokens=t.catchup_tokens,
-            accepted_per_pos=t.accepted_per_pos, num_drafts=t.num_drafts,
-            num_prefill_tokens=t.num_prefill_tokens,
-        ))
+        self.policy.observe(t)

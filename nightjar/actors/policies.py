@@ -1,7 +1,7 @@
 """Speculation policies: pick the draft length γ for each decode step (stdlib only).
 
 Every policy answers ``decide(B, state) -> γ`` before a decode step and learns
-from ``observe(StepResult)`` after it.  All randomness comes from a private
+from ``observe(StepTimed)`` after it.  All randomness comes from a private
 ``random.Random(seed)``, so a policy fed the same results makes the same choices.
 
 Policies (``make_policy(spec)``; see ``shared/reference/algorithm.md`` §2, §5):
@@ -56,8 +56,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from nightjar.kernel.messages import StepTimed
+
 __all__ = [
-    "StepResult", "PlannerState", "Policy", "make_policy", "list_policies",
+    "PlannerState", "Policy", "make_policy", "list_policies",
     "bucket", "bucket_label", "expected_tokens", "SwitchCostModel",
     "OffPolicy", "FixedPolicy", "TablePolicy", "DSDPolicy", "BanditSpecPolicy",
     "NightjarPaperPolicy",
@@ -65,22 +67,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------- messages
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one decode step did, as the planner sees it."""
-
-    batch_size: int
-    gamma: int
-    step_time_s: float
-    tokens_emitted: int
-    max_draft_lag: int = 0
-    catchup_time_s: float = 0.0
-    catchup_tokens: int = 0
-    accepted_per_pos: tuple[int, ...] = ()
-    num_drafts: int = 0
-    num_prefill_tokens: int = 0
-
-
 @dataclass(frozen=True, slots=True)
 class PlannerState:
     """Engine state the planner may condition on (fields after ``prev_gamma``: -1/0 = unknown)."""
@@ -170,7 +156,7 @@ class SwitchCostModel:
         self._fit = _LinFit(discount)
         self.observations = 0
 
-    def observe(self, r: StepResult) -> None:
+    def observe(self, r: StepTimed) -> None:
         """Learn from a step that reported a catch-up."""
         if r.catchup_time_s <= 0.0 and r.catchup_tokens <= 0:
             return
@@ -213,7 +199,7 @@ class Policy(ABC):
     def decide(self, batch_size: int, state: PlannerState) -> int:
         """γ for the next decode step of ``batch_size`` running requests."""
 
-    def observe(self, result: StepResult) -> None:
+    def observe(self, result: StepTimed) -> None:
         """Learn from a finished step (default: nothing to learn)."""
 
     def snapshot(self) -> dict:
@@ -389,7 +375,7 @@ class DSDPolicy(Policy):
                 best, best_g = k, g
         return best
 
-    def _acceptance_counts(self, r: StepResult) -> tuple[float, float]:
+    def _acceptance_counts(self, r: StepTimed) -> tuple[float, float]:
         """(accepted, first-rejections) of one drafting step."""
         drafts = r.num_drafts or r.batch_size
         if r.accepted_per_pos:
@@ -398,7 +384,7 @@ class DSDPolicy(Policy):
         acc = float(max(0, r.tokens_emitted - drafts))
         return acc, max(0.0, drafts * r.gamma - acc)
 
-    def observe(self, result: StepResult) -> None:
+    def observe(self, result: StepTimed) -> None:
         """Update α window, the per-γ time line and the bucket's tried set."""
         r = result
         if r.batch_size <= 0 or not 0 <= r.gamma <= self.gamma_max:
@@ -465,7 +451,7 @@ class BanditSpecPolicy(Policy):
         best = max(range(len(self.arms)), key=lambda i: self._index(i, log_kt2))
         return self.arms[best]
 
-    def observe(self, result: StepResult) -> None:
+    def observe(self, result: StepTimed) -> None:
         """Update the played arm's mean reward."""
         r = result
         if r.batch_size <= 0 or r.step_time_s <= 0 or r.gamma not in self.arms:
@@ -622,7 +608,7 @@ class NightjarPaperPolicy(Policy):
         return best
 
     # ------------------------------------------------------------ observe
-    def observe(self, result: StepResult) -> None:
+    def observe(self, result: StepTimed) -> None:
         """Update C_switch, the played arm's loss and its change detector."""
         r = result
         self.switch.observe(r)

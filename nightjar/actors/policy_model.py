@@ -1,26 +1,29 @@
 """Model-based Nightjar planner (``nightjar``, ``nightjar-nooffload``): pure Python, stdlib only.
 
-Per decode step it predicts, for every γ, seconds per emitted token and plays the optimistic argmin:
+Per decode step it predicts, for every γ, seconds per emitted token and plays the optimistic argmin
+(``docs/planner.md`` has the full description):
 
 * **Acceptance** (``AcceptanceModel``), one model shared by every batch size: discounted per-position
-  counts accepted_i / reached_i → ρ_i, E(γ) = 1 + Σ_{i≤γ} Π_{k≤i} ρ_k; a position's counts decay only
-  when new data for it arrives (by ``d^n`` for n new samples). An optimistic E⁺ adds z·√(ρ(1−ρ)/n) per
-  position. Two one-sided CUSUMs on first-position acceptance (a drop, a rise) each forget part of
-  the counts (keep ``cusum_keep``) when they fire.
+  counts accepted_i / reached_i → ρ_i (smoothed toward the previous position),
+  E(γ) = 1 + Σ_{i≤γ} Π_{k≤i} ρ_k;
+  a position's counts decay (by ``d^n`` for n new samples) only when new data for it arrives. An optimistic
+  E⁺ adds z·√(ρ(1−ρ)/n) per position. Two one-sided CUSUMs on first-position acceptance (a drop, a rise)
+  each keep ``cusum_keep`` of the counts when they fire.
 * **Step time** T̂(B, γ) = level · base(B, γ) · m(c, γ). ``base`` is the profile
-  (``target_time(B, γ+1) + γ·draft_time(B)``, from ``nightjar profile`` JSON or the simulator's
-  profile) or, without one, a generic roofline-shaped prior. ``level`` is learned online (fast EMA) from
-  decode steps; prefill tokens in a mixed step get their own learned per-token term and are subtracted
-  (until that term has data such steps are left out). m(c, γ) is a per-(bucket, γ) correction:
-  the discounted mean of the measured ratio T / (level · base) shrunk toward 1 by ``prior_weight``
-  pseudo-samples, so it is weighted by the sample count; its standard error falls from ``model_sd``
-  to the per-step noise (learned from all steps) / √samples.
-* **Decision**: loss(γ) = (T̂ + extras) / (B · E(γ)). The played arm minimises the lower confidence
-  bound (T̂ · (1 − z·se)) / (B · E⁺(γ)): optimism only matters where an arm's interval reaches below the
-  best, there is no forced uniform exploration. Hysteresis: the bucket's current arm is kept unless
-  the candidate's bound is ``hysteresis`` (2 %) lower.
+  (``target_time(B, γ+1) + γ·draft_time(B)``, ``nightjar profile`` JSON or the simulator's profile) or,
+  without one, a generic roofline-shaped prior (then the level is kept per bucket and arms not yet played
+  in a bucket take the line through the played arms' times over γ). ``level`` is learned online from
+  decode steps; each step's surprise is split between the level and the played arm by how well the arm
+  is known. Prefill tokens in a mixed step get their own learned per-token term and are subtracted (until
+  that term has data such steps are left out). m(c, γ) is the per-(bucket, γ) correction: the discounted
+  mean of the measured ratio T / (level · base) shrunk toward 1 by ``prior_weight`` pseudo-samples; its
+  standard error falls from ``model_sd`` to the per-step noise / √samples and regrows while the arm rests.
+* **Decision**: the played arm minimises the lower bound (T̂ · (1 − z·se) + extras) / (B · E⁺(γ)): an
+  arm is tried only if its interval reaches below the best; no forced uniform exploration, no randomness.
+  Hysteresis: the bucket's current arm is kept unless beaten by ``hysteresis`` (``hysteresis_onoff`` for
+  turning speculation off).
 * **Extras for γ > 0**: (a) prompt prefill in steady state -- the draft must prefill every new prompt,
-  so each γ>0 arm pays C_catch(prompt tokens entering decode per step) (EMA); (b) switching on from γ=0
+  so each γ>0 arm pays C_catch(prompt tokens entering decode per step, EMA); (b) switching on from γ=0
   pays the catch-up of the *generated*-token lag (prompt tokens excluded: (a) covers them), spread over
   the expected dwell (EMA of past γ>0 run lengths). C_catch is the catch-up line learned from
   ``catchup_time_s`` (seeded from the profile).
@@ -34,7 +37,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from nightjar.actors.policies import PlannerState, Policy, StepResult, SwitchCostModel, bucket, bucket_label
+from nightjar.actors.policies import (
+    PlannerState,
+    Policy,
+    SwitchCostModel,
+    bucket,
+    bucket_label,
+)
+from nightjar.kernel.messages import StepTimed
 
 __all__ = ["AcceptanceModel", "ModelNightjarPolicy", "MODEL_OPTS", "load_profile"]
 
@@ -47,7 +57,7 @@ def load_profile(profile: Any):
     """A profile object (``target_time``, ``draft_time``) from itself, a dict or a JSON path; None stays None."""
     if profile is None or hasattr(profile, "target_time"):
         return profile
-    from nightjar.sim.profile_model import Profile          # stdlib-only module
+    from nightjar.sim.profile_model import Profile  # stdlib-only module
     if isinstance(profile, dict):
         return Profile.from_json(profile)
     return Profile.load(str(profile))
@@ -176,10 +186,11 @@ class ModelNightjarPolicy(Policy):
     elastic_memory = True
 
     def __init__(self, gamma_max: int, seed: int = 0, *, profile: Any = None, z: float = 1.5,
-                 z_accept: float = 0.5, model_sd: float | None = None, noise_floor: float = 0.02,
-                 arm_discount: float = 0.97, stale_discount: float = 0.98, level_rate: float = 0.2, accept_window: float = 400.0,
-                 rho_prior: float = 0.5, cusum_k: float = 0.5, cusum_h: float = 8.0, cusum_keep: float = 0.2,
-                 hysteresis: float = 0.02, hysteresis_onoff: float = 0.04, dwell0: float = 64.0, switch_cost: bool = True, prior_weight: float | None = None,
+                 z_accept: float = 0.5, model_sd: float | None = None, prior_weight: float | None = None,
+                 noise_floor: float = 0.02, arm_discount: float = 0.97, stale_discount: float = 0.98,
+                 level_rate: float = 0.2, accept_window: float = 400.0, rho_prior: float = 0.5,
+                 cusum_k: float = 0.5, cusum_h: float = 8.0, cusum_keep: float = 0.2, hysteresis: float = 0.02,
+                 hysteresis_onoff: float = 0.04, dwell0: float = 64.0, switch_cost: bool = True,
                  prompt_charge: bool = True, kv_cost: bool = True) -> None:
         super().__init__(gamma_max)
         if not 0.0 < arm_discount <= 1.0 or not 0.0 < level_rate <= 1.0 or (model_sd or 1) <= 0 or z < 0:
@@ -370,7 +381,7 @@ class ModelNightjarPolicy(Policy):
         return t / b2
 
     # ------------------------------------------------------------ observe
-    def observe(self, result: StepResult) -> None:
+    def observe(self, result: StepTimed) -> None:
         """Update acceptance, the catch-up line, dwell, the prefill term, level and the played arm."""
         r = result
         self.switch.observe(r)
@@ -386,7 +397,7 @@ class ModelNightjarPolicy(Policy):
         if r.step_time_s > 0.0:
             self._learn_time(r)
 
-    def _learn_time(self, r: StepResult) -> None:
+    def _learn_time(self, r: StepTimed) -> None:
         b, g = r.batch_size, r.gamma
         base = self.base_row(b)[g]
         arm = self._ctx(bucket(b))[g]

@@ -12,7 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from nightjar.actors.policies import PlannerState, Policy, StepResult
+from nightjar.actors.policies import PlannerState, Policy
+from nightjar.kernel.messages import StepTimed
 
 WEAK = (0.38, 0.39, 0.49, 0.53)       # the shipped CPU draft's conditional rates (docs/benchmarks.md)
 GOOD = (0.80, 0.76, 0.72, 0.70)
@@ -48,7 +49,7 @@ class PlannerEnv:
         g = min(range(gamma_max + 1), key=losses.__getitem__)
         return g, losses[g]
 
-    def step(self, b: int, g: int, rng: random.Random) -> StepResult:
+    def step(self, b: int, g: int, rng: random.Random) -> StepTimed:
         per_pos = [0] * g
         acc = self.acceptance
         for _ in range(b):
@@ -57,7 +58,8 @@ class PlannerEnv:
                     break
                 per_pos[i] += 1
         t = self.mean_time(b, g) * max(0.3, 1.0 + self.noise * rng.gauss(0.0, 1.0))
-        return StepResult(b, g, t, b + sum(per_pos), 0, 0.0, 0, tuple(per_pos), b if g else 0)
+        return StepTimed(step=0, batch_size=b, gamma=g, step_time_s=t, tokens_emitted=b + sum(per_pos),
+                         accepted_per_pos=tuple(per_pos), num_drafts=b if g else 0)
 
 
 @dataclass

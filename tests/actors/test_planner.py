@@ -33,5 +33,5 @@ def test_step_timings_reach_the_policy():
     p = Planner("nightjar", gamma_max=4, seed=0, has_draft=True)
     p.handle(StepTimed(step=1, batch_size=2, gamma=2, step_time_s=0.03, tokens_emitted=4, accepted_per_pos=(2, 1),
                        num_drafts=2), 0.0)
-    assert p.prev_gamma == 2 and p.gamma_counts[2] == 1
+    assert p.prev_gamma == 2
     assert p.policy.snapshot()

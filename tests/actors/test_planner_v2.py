@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 
 from nightjar.actors.planner import Planner
-from nightjar.actors.policies import PlannerState, StepResult, bucket, make_policy
+from nightjar.actors.policies import PlannerState, bucket, make_policy
 from nightjar.actors.policy_model import AcceptanceModel
 from nightjar.kernel.messages import BlocksReserved, StepScheduled
 from nightjar.sim.planner_env import GOOD, WEAK, PlannerEnv, run_planner
 from nightjar.sim.profile_model import Profile, roofline_profile
 from nightjar.sim.workload import make_workload
 from nightjar.simulate import SimConfig, Simulation
+from tests.actors.test_policies import timed
 
 CPU = Profile.load(str(Path(__file__).parent / "data" / "profile_cpu_bf16.json"))
 A100 = roofline_profile("a100", "13b")
@@ -159,7 +160,7 @@ def test_prefill_in_a_mixed_step_does_not_make_gamma_zero_look_slow():
         r = env.step(48, 0, rng)
         if t % 5 == 4:                       # a surge step carrying a 512-token prefill chunk
             n = 512
-            r = StepResult(r.batch_size, 0, r.step_time_s + n * CPU.prefill_s_per_token, r.tokens_emitted,
+            r = timed(r.batch_size, 0, r.step_time_s + n * CPU.prefill_s_per_token, r.tokens_emitted,
                            num_prefill_tokens=n)
         pol.observe(r)
     t0, _ = pol.predict(48, 0)

@@ -11,9 +11,24 @@ from typing import Callable
 import pytest
 
 from nightjar.actors.policies import (
-    PlannerState, Policy, StepResult, bucket, bucket_label, expected_tokens, list_policies,
+    PlannerState,
+    Policy,
+    bucket,
+    bucket_label,
+    expected_tokens,
+    list_policies,
     make_policy,
 )
+from nightjar.kernel.messages import StepTimed
+
+_FIELDS = ("batch_size", "gamma", "step_time_s", "tokens_emitted", "max_draft_lag", "catchup_time_s",
+           "catchup_tokens", "accepted_per_pos", "num_drafts", "num_prefill_tokens")
+
+
+def timed(*args, **kw) -> StepTimed:
+    """A StepTimed from positional fields (the planner's reward message, step 0)."""
+    return StepTimed(step=0, **dict(zip(_FIELDS, args)), **kw)
+
 
 
 # ---------------------------------------------------------------- synthetic environment
@@ -40,7 +55,7 @@ class Env:
                    key=lambda g: b * expected_tokens(self.alpha, g) / self.mean_time(b, g))
 
 
-def env_step(env: Env, b: int, g: int, rng: random.Random, lag: int = 0) -> StepResult:
+def env_step(env: Env, b: int, g: int, rng: random.Random, lag: int = 0) -> StepTimed:
     """Sample one decode step (catch-up charged separately when γ > 0 and lag > 0)."""
     per_pos = [0] * g
     for _ in range(b):
@@ -51,7 +66,7 @@ def env_step(env: Env, b: int, g: int, rng: random.Random, lag: int = 0) -> Step
     t = env.mean_time(b, g) * max(0.5, 1.0 + env.noise * rng.gauss(0.0, 1.0))
     catch = b * lag if g > 0 and lag > 0 else 0
     ct = env.catchup_base + env.catchup_per_token * catch if catch else 0.0
-    return StepResult(b, g, t, b + sum(per_pos), lag, ct, catch, tuple(per_pos), b if g else 0)
+    return timed(b, g, t, b + sum(per_pos), lag, ct, catch, tuple(per_pos), b if g else 0)
 
 
 @dataclass
@@ -166,12 +181,12 @@ def test_switch_cost_model_is_learned_from_observed_catchups():
     pol = make_policy("nightjar-paper", gamma_max=3, c_switch_seed=(0.0, 1e-3))
     assert pol.switch.predict(10, 4) == pytest.approx(0.04)  # seed before data
     for lag in (5, 10, 20, 40):
-        pol.observe(StepResult(4, 2, 0.01, 8, lag, 0.003 + 0.0005 * 4 * lag, 4 * lag))
+        pol.observe(timed(4, 2, 0.01, 8, lag, 0.003 + 0.0005 * 4 * lag, 4 * lag))
     assert pol.switch.coef() == pytest.approx((0.003, 0.0005))
     assert pol.switch.predict(10, 4) == pytest.approx(0.023)
     assert pol.switch.predict(0, 4) == 0.0
     by_max = make_policy("nightjar-paper", lag="max")
-    by_max.observe(StepResult(4, 2, 0.01, 8, 10, 0.02, 40))
+    by_max.observe(timed(4, 2, 0.01, 8, 10, 0.02, 40))
     assert by_max.switch.predict(20, 4) == pytest.approx(0.04)  # proportional in L_max
 
 
@@ -322,7 +337,7 @@ def test_dsd_explores_every_gamma_once_per_bucket_before_modelling():
 def test_dsd_charges_the_target_for_the_bonus_token():
     pol = make_policy("dsd", gamma_max=1, alpha0=0.5)
     for b, g, t in ((1, 0, 1.0), (2, 0, 2.0), (1, 1, 2.0), (2, 1, 4.0)):
-        pol.observe(StepResult(b, g, t, b * (g + 1)))
+        pol.observe(timed(b, g, t, b * (g + 1)))
     assert pol.predict_time(3, 1) == pytest.approx(6.0)  # 3·(1+1) tokens at 1 s/token
 
 
