@@ -20,16 +20,12 @@ class Envelope(msgspec.Struct, frozen=True, gc=False):
 class Mailbox:
     """A deque plus one waiter future: ``post`` is sync and O(1) and wakes only a pending waiter."""
 
-    def __init__(self, maxlen: int | None = None) -> None:
+    def __init__(self) -> None:
         self._items: deque[Envelope] = deque()
         self._waiter: asyncio.Future | None = None
-        self.maxlen = maxlen
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def full(self) -> bool:
-        return self.maxlen is not None and len(self._items) >= self.maxlen
 
     def post(self, env: Envelope) -> None:
         self._items.append(env)

@@ -209,15 +209,10 @@ class EngineStopping(Msg, frozen=True):
     reason: str = ""
 
 
-class ActorFailed(Msg, frozen=True):
-    actor: str
-    error: str
-
-
 BusMsg = (
     SubmitRequest | AbortRequest | RequestAdmitted | CancelRequest | RequestRejected | StepScheduled | StepPlanned
     | BlocksReserved | StepDrafted | StepVerified | StepTimed | TokensCommitted | RequestsPreempted | ReleaseBlocks
     | OffloadDraft | ReloadDraft | DraftOffloaded | DraftReloaded | PoolResized | DraftResidency
     | GrowPool | ShrinkPool | TransferFinished
-    | EngineStopping | ActorFailed
+    | EngineStopping
 )

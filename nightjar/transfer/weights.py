@@ -1,7 +1,8 @@
 """Asynchronous draft weight (and draft KV) moves between device and host memory.
 
-Every move runs on one worker thread. On CUDA the copies are issued on a side stream, and the
-worker waits for that stream (not the loop); on CPU the worker copies into a host store. Either way the
+Every move runs on one worker thread. On CUDA the copies are issued on a side stream that first waits
+for the work already queued on the device (a step still writing the draft's KV), and the worker waits
+for that stream (not the loop); on CPU the worker copies into a host store. Either way the
 caller's event loop is told by ``loop.call_soon_threadsafe(done, result)``; nothing here blocks it.
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ class DraftTransfer:
     def _offload(self, slot) -> HostCopy:
         params = unique_params(slot.model)
         if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(slot.device))   # after queued draft work
             with torch.cuda.stream(self.stream):
                 buf, layout = pack_tensors([p.data for p in params])
                 kv = [seg.data.to("cpu", non_blocking=True) for seg in slot.cache.segments]
@@ -75,6 +77,7 @@ class DraftTransfer:
 
     def _reload(self, slot, host: HostCopy) -> int:
         if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(slot.device))   # after queued draft work
             with torch.cuda.stream(self.stream):
                 tensors = unpack_tensors(host.buffer, host.layout, slot.device)
                 slot.cache.restore(host.kv)
