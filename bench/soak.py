@@ -14,7 +14,8 @@ a request aiohttp's parser refuses (Transfer-Encoding with Content-Length), 30,0
 
 Checks (exit status 1 if one fails): no 5xx and no client-side error; no traceback and no ERROR line in the
 server log; after each round every KV block free and the draft resident again; at least one offload and
-as many reloads; RSS flat across rounds (after the first, within ``--rss-tolerance-mib``); no answer ending
+as many reloads; RSS flat across rounds (sampled ``--idle-s`` after the server went idle, after its idle
+``malloc_trim``; rounds after the first within ``--rss-tolerance-mib`` of round 2); no answer ending
 in U+FFFD; the trickled head dropped within the header timeout; the parser-refused request answered 400.
 """
 from __future__ import annotations
@@ -269,6 +270,7 @@ async def soak(a, srv: SubprocessServer) -> dict:
                                     many_empty_messages(s, model, t))
             *_, (dropped_s, refused_status, health_s) = await asyncio.gather(*jobs, probes)
             settle_s, m = await settle(s, a.settle_timeout)
+            await asyncio.sleep(a.idle_s)       # the server trims malloc's free memory once idle (every 5 s)
             rounds.append({
                 "round": i + 1, "requests": sum(t.kinds.values()), "settle_s": round(settle_s, 2),
                 "blocks_free": m.get("nightjar:kv_blocks_free"), "blocks_total": m.get("nightjar:kv_blocks_total"),
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default="", help="more `nightjar serve` flags")
     p.add_argument("--settle-timeout", type=float, default=120.0)
     p.add_argument("--rss-tolerance-mib", type=float, default=64.0)
+    p.add_argument("--idle-s", type=float, default=7.0, help="idle seconds after settling before sampling RSS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default=None, help="server log file (default: a temp file)")
     p.add_argument("--output-json", default=None)

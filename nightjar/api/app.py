@@ -6,6 +6,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import time
@@ -18,6 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from nightjar.api.connections import ConnectionGuard, GuardedSite, ParserErrorLog, ServerLimits
+from nightjar.api.heap import trim_when_idle
 from nightjar.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nightjar.api.metrics import ServerMetrics
 from nightjar.api.schemas import (
@@ -341,6 +343,9 @@ async def _start(request: web.Request, kind: type) -> tuple[Any, Generation, Req
     speculate = req.speculate
     prompt = req.chat_messages() if kind is ChatCompletionRequest else req.prompt_input()
     st.check_ready()
+    if kind is ChatCompletionRequest and len(prompt) >= st.context_len:     # each message is >= 1 token
+        raise ApiError(f"{len(prompt)} messages cannot fit the context of {st.context_len} tokens", 400,
+                       param="messages", code="context_length_exceeded")
     ids = await st.encode(prompt, _prepare_prompt_size(prompt))
     params = st.sampling(req, len(ids))
     gen = Generation(st, ids, params, speculate, t0, "messages" if kind is ChatCompletionRequest else "prompt")
@@ -466,13 +471,18 @@ async def metrics(request: web.Request) -> web.Response:
 # ---- factory ---------------------------------------------------------------------------------------
 async def _lifecycle(app: web.Application):
     st = app[STATE]
+    trimmer = None
     if st.owned:
         await st.engine.start()
         log.info("engine started: model %s, policy %s, %d KV blocks", st.model_name, st.engine.config.policy,
                  st.engine.allocator.num_total)
+        trimmer = asyncio.create_task(trim_when_idle(st.engine), name="nightjar:heap-trim")
     st.attach()
     yield
     st.detach()
+    if trimmer is not None:
+        trimmer.cancel()
+        await asyncio.gather(trimmer, return_exceptions=True)
     if st.owned:
         await st.engine.stop()
         log.info("engine stopped")
@@ -518,6 +528,8 @@ async def start_guarded(app: web.Application, host: str | None, port: int, *, ac
 
 async def _serve_forever(app: web.Application, host: str, port: int, access_log) -> None:
     runner, site = await start_guarded(app, host, port, access_log=access_log, handle_signals=True)
+    gc.collect()
+    gc.freeze()          # the engine's start-up objects leave the collector's scans: shorter gen-2 pauses
     try:
         limits = app[STATE].guard.limits
         log.info("serving on %s (at most %d connections; request head %g s, body %g s) - Ctrl+C to stop",

@@ -139,8 +139,8 @@ def test_the_off_loop_threshold_counts_chat_messages_not_only_their_characters()
     assert _prepare_prompt_size(list(range(20_000))) > 16_384          # token ids count too
 
 
-async def test_a_body_of_30k_empty_messages_is_templated_off_the_event_loop(serve):
-    srv = await serve("off")
+async def test_many_empty_messages_are_templated_off_the_loop_and_more_than_the_context_not_at_all(serve):
+    srv = await serve("off")                  # the context is 1024 tokens
     engine = srv.engine
     encode, threads = engine.encode, []
 
@@ -149,7 +149,6 @@ async def test_a_body_of_30k_empty_messages_is_templated_off_the_event_loop(serv
             threads.append(threading.current_thread())
         return encode(prompt)
     engine.encode = spy
-    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 30_000, "max_tokens": 2}
     health = []
 
     async def ping(s):
@@ -159,12 +158,16 @@ async def test_a_body_of_30k_empty_messages_is_templated_off_the_event_loop(serv
             await asyncio.sleep(0.01)
     async with aiohttp.ClientSession(srv.url) as s:
         pinger = asyncio.create_task(ping(s))
-        async with s.post("/v1/chat/completions", json=body) as r:
-            err = (await r.json())["error"]
+        errors = []
+        for n in (1000, 30_000):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * n, "max_tokens": 2}
+            async with s.post("/v1/chat/completions", json=body) as r:
+                errors.append((r.status, (await r.json())["error"]))
         pinger.cancel()
         await asyncio.gather(pinger, return_exceptions=True)
-    assert r.status == 400 and err["code"] == "context_length_exceeded"      # 150k tokens > 1024
-    assert len(threads) == 1 and threads[0] is not threading.main_thread()
+    assert [(st, e["code"]) for st, e in errors] == [(400, "context_length_exceeded")] * 2
+    assert "30000 messages cannot fit the context of 1024 tokens" in errors[1][1]["message"]
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()     # only the 1000 were templated
     assert health and set(health) == {200}
 
 
