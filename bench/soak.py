@@ -1,7 +1,7 @@
 """Soak: a real ``nightjar serve`` under a tight ``--device-memory`` budget, driven with mixed traffic and
 cut streams for N minutes, then checked.
 
-    .venv/bin/python bench/soak.py --minutes 3 [--device-memory 340000000] [--concurrency 8]
+    .venv/bin/python bench/soak.py --minutes 3 [--device-memory 340000000] [--concurrency 24]
                                    [--rounds 3] [--output-json soak.json] [--server-args "..."]
 
 Each round is a burst (``--concurrency`` workers) then a calm tail (one worker), then no load: the script
@@ -189,9 +189,9 @@ async def parser_refused(port: int) -> int:
     return int(reply.split(b" ")[1]) if reply else 0
 
 
-async def many_empty_messages(s, model: str, t: Tally) -> tuple[float, float]:
-    """The slowest /health answer (s) in the 3 s before posting 30,000 empty chat messages, and while the
-    post is processed (the load runs throughout: the first number is the baseline)."""
+async def many_empty_messages(s, model: str, t: Tally) -> tuple[float, float, float]:
+    """The slowest /health answer (s) in the 3 s before posting 30,000 empty chat messages and while the
+    post is processed (the load runs throughout: the first number is the baseline), and the post's time."""
     slowest = [0.0, 0.0]
     phase = 0
 
@@ -206,17 +206,31 @@ async def many_empty_messages(s, model: str, t: Tally) -> tuple[float, float]:
     data = json.dumps({"model": model, "messages": [{"role": "user", "content": ""}] * 30_000, "max_tokens": 1})
     try:
         await asyncio.sleep(3.0)
-        phase = 1
+        phase, t0 = 1, time.monotonic()
         async with s.post("/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
             await r.read()
             t.status("30k_messages", r.status, expected=(400,))
+        took = time.monotonic() - t0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    return slowest[0], slowest[1]
+    return slowest[0], slowest[1], took
 
 
 # ---- server state -----------------------------------------------------------------------------------
+async def gamma_counts(s) -> dict[str, float]:
+    """Decode steps per γ bucket (from the cumulative ``nightjar:spec_gamma`` histogram)."""
+    async with s.get("/metrics") as r:
+        text = await r.text()
+    cum = {m.group(1): float(m.group(2)) for m in re.finditer(r'^nightjar:spec_gamma_bucket\{le="([^"]+)"\} (\S+)$',
+                                                                text, re.M)}
+    out, prev = {}, 0.0
+    for le, c in sorted(cum.items(), key=lambda kv: float(kv[0])):
+        out[le] = c - prev
+        prev = c
+    return {k: v for k, v in out.items() if v}
+
+
 async def metrics(s) -> dict[str, float]:
     async with s.get("/metrics") as r:
         text = await r.text()
@@ -281,9 +295,11 @@ async def soak(a, srv: SubprocessServer) -> dict:
                 "parser_refused_status": refused_status,
                 "slowest_health_before_30k_messages_s": round(health_s[0], 3),
                 "slowest_health_during_30k_messages_s": round(health_s[1], 3),
+                "30k_messages_answered_in_s": round(health_s[2], 3),
             })
             print(json.dumps(rounds[-1]), flush=True)
-    return {"tally": t, "rounds": rounds, "model": model, "context": context}
+        gammas = await gamma_counts(s)
+    return {"tally": t, "rounds": rounds, "model": model, "context": context, "gamma_steps": gammas}
 
 
 def verdicts(a, res: dict, log_text: str) -> dict[str, bool]:
@@ -312,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--burst-frac", type=float, default=0.7, help="share of a round at full concurrency")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=24, help="workers in a round's burst (the tail has one)")
     p.add_argument("--device-memory", default="340000000")
     p.add_argument("--policy", default="nightjar")
     p.add_argument("--header-timeout", type=float, default=10.0)
@@ -344,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "fffd_endings": t.fffd_endings, "client_errors": dict(t.client_errors), "unexpected": t.unexpected,
         "dropped_client_lines": log_text.count("dropped client"),
         "parser_refused_lines": log_text.count("rejected a malformed request"),
-        "rounds": res["rounds"], "checks": checks,
+        "decode_steps_by_gamma_bucket": res["gamma_steps"], "rounds": res["rounds"], "checks": checks,
     }
     print(json.dumps(summary, indent=1, ensure_ascii=False))
     if a.output_json:
