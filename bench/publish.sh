@@ -49,7 +49,7 @@ skip peers || "$PY" bench/peers.py --num-prompts 16 --output-len 64 --policies "
 if ! skip simval; then
   "$PY" -m nightjar profile --quick --out "$OUT/profile.json" | tail -3
   for P in ${SIM_POLICIES:-off fixed:$BEST nightjar}; do
-    "$PY" -m nightjar.sim.validate --profile "$OUT/profile.json" --policy "$P" --phases '[[10, 0.5], [10, 2.0]]' \
+    "$PY" -m nightjar.offline.sim.validate --profile "$OUT/profile.json" --policy "$P" --phases '[[10, 0.5], [10, 2.0]]' \
       | tee "$OUT/simval_${P/:/_}.txt"
   done
 fi

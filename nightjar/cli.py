@@ -171,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DELEGATED = {"distill": "nightjar.training.distill", "bench": "nightjar.bench.cli", "replay": "nightjar.replay",
-             "trace": "nightjar.trace_tools", "simulate": "nightjar.simulate", "profile": "nightjar.profile"}
+DELEGATED = {"distill": "nightjar.training.distill", "bench": "nightjar.bench.cli",
+             "replay": "nightjar.offline.replay", "trace": "nightjar.offline.trace_summary",
+             "simulate": "nightjar.offline.simulate", "profile": "nightjar.offline.profile"}
 
 
 def main(argv: list[str] | None = None) -> int:

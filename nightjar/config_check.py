@@ -48,7 +48,7 @@ def _dtype_device(c: EngineConfig) -> None:
 
 
 def _policy(c: EngineConfig) -> None:
-    from nightjar.actors.policies import make_policy
+    from nightjar.actors.policy_factory import make_policy
 
     try:
         make_policy(c.policy, c.gamma_max, c.seed)

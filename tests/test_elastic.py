@@ -233,7 +233,7 @@ def test_the_draft_comes_back_while_a_light_load_still_runs_with_default_limits(
 def test_a_failed_copy_leaves_the_draft_where_it_was_and_the_engine_serving(make_engine, smol_tokenizer, tiny_pair):
     from nightjar.kernel.messages import TransferFinished
     from nightjar.transfer import weights as tw
-    from tests.test_replay import private_pair
+    from tests.offline.test_replay import private_pair
 
     def broken(self, *args):
         raise MemoryError("injected copy failure")

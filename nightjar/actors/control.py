@@ -98,7 +98,7 @@ def _kv(s: ControlSpec):
 
 
 def elastic_enabled(c: EngineConfig) -> bool:
-    from nightjar.actors.policies import make_policy
+    from nightjar.actors.policy_factory import make_policy
     return c.elastic_memory if c.elastic_memory is not None else make_policy(c.policy, c.gamma_max).elastic_memory
 
 

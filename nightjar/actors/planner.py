@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from nightjar.actors.policies import PlannerState, make_policy
+from nightjar.actors.policies import PlannerState
+from nightjar.actors.policy_factory import make_policy
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,

@@ -54,12 +54,12 @@ from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from nightjar.kernel.messages import StepTimed
 
 __all__ = [
-    "PlannerState", "Policy", "make_policy", "list_policies",
+    "PlannerState", "Policy",
     "bucket", "bucket_label", "expected_tokens", "SwitchCostModel",
     "OffPolicy", "FixedPolicy", "TablePolicy", "DSDPolicy", "BanditSpecPolicy",
     "NightjarPaperPolicy",
@@ -105,7 +105,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def _check_opts(name: str, opts: dict, allowed: Sequence[str]) -> None:
+def check_opts(name: str, opts: dict, allowed: Sequence[str]) -> None:
     """Raise ValueError naming any option the policy does not understand."""
     bad = sorted(set(opts) - set(allowed))
     if bad:
@@ -519,7 +519,7 @@ class _Context:
         self.explore, self.locked = True, -1
 
 
-_NIGHTJAR_OPTS = ("decay", "prior", "discount", "detector", "ph_delta", "ph_lambda",
+NIGHTJAR_PAPER_OPTS = ("decay", "prior", "discount", "detector", "ph_delta", "ph_lambda",
                   "ph_warmup", "ph_floor", "ph_clip", "ph_keep", "lag", "c_switch_seed",
                   "c_switch_discount", "switch_cost")
 
@@ -686,63 +686,3 @@ def _prior_cumulative(prior: Sequence[float] | None, gamma_max: int) -> list[flo
         acc += x
         out.append(acc)
     return out
-
-
-# ---------------------------------------------------------------- factory
-_CANONICAL = ("off", "fixed", "table", "dsd", "banditspec", "nightjar", "nightjar-nooffload", "nightjar-paper")
-_ALIASES = {"goodput": "dsd", "smartspec": "dsd", "ucb": "banditspec"}
-
-
-def list_policies() -> tuple[str, ...]:
-    """Canonical policy names accepted by :func:`make_policy`."""
-    return _CANONICAL
-
-
-def _make_fixed(arg: str, gamma_max: int) -> FixedPolicy:
-    """``fixed:K``."""
-    try:
-        k = int(arg)
-    except ValueError:
-        raise ValueError(f"fixed needs an integer K, e.g. 'fixed:3', got 'fixed:{arg}'") from None
-    return FixedPolicy(gamma_max, k)
-
-
-def _make_nightjar(name: str, gamma_max: int, seed: int, opts: dict) -> Policy:
-    """``nightjar`` / ``nightjar-nooffload`` (model-based) or ``nightjar-paper`` (bin-greedy)."""
-    if name == "nightjar-paper":
-        _check_opts(name, opts, _NIGHTJAR_OPTS)
-        return NightjarPaperPolicy(gamma_max, seed, **opts)
-    from nightjar.actors.policy_model import MODEL_OPTS, ModelNightjarPolicy
-    _check_opts(name, opts, MODEL_OPTS)
-    p = ModelNightjarPolicy(gamma_max, seed, **opts)
-    if name == "nightjar-nooffload":
-        p.name, p.elastic_memory = name, False
-    return p
-
-
-def make_policy(spec: str, gamma_max: int = 4, seed: int = 0, **opts: Any) -> Policy:
-    """Build a policy from ``spec`` ('off', 'fixed:3', 'table:mlc', 'nightjar', ...)."""
-    head, sep, arg = spec.strip().partition(":")
-    head = _ALIASES.get(head.strip().lower(), head.strip().lower())
-    if head not in ("fixed", "table") and sep:
-        raise ValueError(f"policy {head!r} takes no ':' argument (got {spec!r})")
-    if head == "off":
-        _check_opts(head, opts, ())
-        return OffPolicy(gamma_max)
-    if head == "fixed":
-        _check_opts(head, opts, ())
-        return _make_fixed(arg.strip(), gamma_max) if sep else _make_fixed("", gamma_max)
-    if head == "table":
-        _check_opts(head, opts, ("max_num_sequence",))
-        if not arg.strip():
-            raise ValueError("table needs ranges or a preset, e.g. 'table:1-4:4,5-:0' or 'table:mlc'")
-        return TablePolicy(gamma_max, arg, **opts)
-    if head == "dsd":
-        _check_opts(head, opts, ("alpha0", "alpha_window", "fit_discount", "probe_every"))
-        return DSDPolicy(gamma_max, **opts)
-    if head == "banditspec":
-        _check_opts(head, opts, ("delta", "L", "warmup_rounds", "min_gamma", "reward_scale"))
-        return BanditSpecPolicy(gamma_max, **opts)
-    if head in ("nightjar", "nightjar-nooffload", "nightjar-paper"):
-        return _make_nightjar(head, gamma_max, seed, opts)
-    raise ValueError(f"unknown policy {spec!r}; choose from {', '.join(_CANONICAL)}")

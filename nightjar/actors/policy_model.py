@@ -57,7 +57,7 @@ def load_profile(profile: Any):
     """A profile object (``target_time``, ``draft_time``) from itself, a dict or a JSON path; None stays None."""
     if profile is None or hasattr(profile, "target_time"):
         return profile
-    from nightjar.sim.profile_model import Profile  # stdlib-only module
+    from nightjar.actors.step_profile import Profile  # stdlib-only module
     if isinstance(profile, dict):
         return Profile.from_json(profile)
     return Profile.load(str(profile))

@@ -5,7 +5,7 @@ profile_cpu_bf16.json``, `nightjar profile --no-engine`, bf16 SmolLM2-135M + the
 while the box was shared: slower than the idle table in docs/benchmarks.md, same shape) and the A100-13B
 roofline. Acceptance is synthetic (labelled): per-position conditional rates from weak (0.38, the
 shipped draft's) to good (0.8). Regret is counted in expected seconds per token against the per-step
-oracle that knows both (``nightjar/sim/planner_env.py``).
+oracle that knows both (``nightjar/offline/sim/planner_env.py``).
 """
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 
 from nightjar.actors.planner import Planner
-from nightjar.actors.policies import PlannerState, bucket, make_policy
+from nightjar.actors.policies import PlannerState, bucket
+from nightjar.actors.policy_factory import make_policy
 from nightjar.actors.policy_model import AcceptanceModel
+from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.kernel.messages import BlocksReserved, StepScheduled
-from nightjar.sim.planner_env import GOOD, WEAK, PlannerEnv, run_planner
-from nightjar.sim.profile_model import Profile, roofline_profile
-from nightjar.sim.workload import make_workload
-from nightjar.simulate import SimConfig, Simulation
+from nightjar.offline.sim.planner_env import GOOD, WEAK, PlannerEnv, run_planner
+from nightjar.offline.sim.workload import make_workload
+from nightjar.offline.simulate import SimConfig, Simulation
 from tests.actors.test_policies import timed
 
 CPU = Profile.load(str(Path(__file__).parent / "data" / "profile_cpu_bf16.json"))

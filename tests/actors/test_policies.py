@@ -16,9 +16,8 @@ from nightjar.actors.policies import (
     bucket,
     bucket_label,
     expected_tokens,
-    list_policies,
-    make_policy,
 )
+from nightjar.actors.policy_factory import list_policies, make_policy
 from nightjar.kernel.messages import StepTimed
 
 _FIELDS = ("batch_size", "gamma", "step_time_s", "tokens_emitted", "max_draft_lag", "catchup_time_s",

@@ -2,7 +2,7 @@
 through the simulator with a measured profile of this machine (acceptance fitted from that trace), and
 compare throughput, mean TTFT, mean E2E and mean γ.
 
-  .venv/bin/python -m nightjar.sim.validate --profile prof.json [--policy fixed:2] [--phases '[[6,2],[6,6]]']
+  .venv/bin/python -m nightjar.offline.sim.validate --profile prof.json [--policy fixed:2] [--phases '[[6,2],[6,6]]']
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nightjar.sim.profile_model import Profile
-from nightjar.sim.workload import Phase, Workload, lengths, phase_times
+from nightjar.actors.step_profile import Profile
+from nightjar.offline.sim.workload import Phase, Workload, lengths, phase_times
 
 
 @dataclass
@@ -78,8 +78,8 @@ def _trace_mean_gamma(trace: str) -> float:
 def run_sim(profile: Profile, wl: Workload, policy: str, trace: str, **cfg) -> Measured:
     from nightjar.kernel.messages import StepTimed
     from nightjar.kernel.trace import TraceReader
-    from nightjar.simulate import SimConfig, simulate
-    from nightjar.sim.executors import fit_acceptance
+    from nightjar.offline.simulate import SimConfig, simulate
+    from nightjar.offline.sim.executors import fit_acceptance
 
     c = SimConfig(**cfg)
     steps = [e.msg for e in TraceReader(trace, allow_schema_drift=True) if isinstance(e.msg, StepTimed)]
@@ -106,7 +106,7 @@ def format_compare(real: Measured, sim: Measured) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nightjar.sim.validate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m nightjar.offline.sim.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", required=True)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default="default")

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from nightjar.kernel.messages import SamplingSpec, SubmitRequest
 from nightjar.actors.control import ControlSpec, build_control_actors
 from nightjar.kernel.config import EngineConfig
-from nightjar.sim.dispatch import SyncBus
-from nightjar.sim.executors import DEFAULT_ACCEPTANCE, SimCollector, SimExecutor, SimTransfer, fit_acceptance
-from nightjar.sim.profile_model import Profile, roofline_profile
-from nightjar.sim.workload import Workload, make_workload
+from nightjar.offline.sim.dispatch import SyncBus
+from nightjar.offline.sim.executors import DEFAULT_ACCEPTANCE, SimCollector, SimExecutor, SimTransfer, fit_acceptance
+from nightjar.actors.step_profile import Profile, roofline_profile
+from nightjar.offline.sim.workload import Workload, make_workload
 
 
 @dataclass

@@ -1,16 +1,16 @@
 """Re-record the golden traces (run after an intended control-plane change, then review the diff of
-``nightjar replay`` output):  .venv/bin/python tests/replay/record_golden.py
+``nightjar replay`` output):  .venv/bin/python tests/offline/replay/record_golden.py
 
 Tiny random fp32 models with SmolLM2's tokenizer; a small pool so that preemption happens; greedy,
 sampled and seeded requests and one client abort under off, fixed:2 and nightjar (with a forced draft
-offload/reload cycle). tests/test_replay.py replays every one of them and fails if none is here."""
+offload/reload cycle). tests/offline/test_replay.py replays every one of them and fails if none is here."""
 from __future__ import annotations
 
 import asyncio
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from nightjar.engine import Engine  # noqa: E402

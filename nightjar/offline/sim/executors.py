@@ -13,7 +13,7 @@ from typing import ClassVar
 from nightjar.kernel.messages import (
     BlocksReserved, StepScheduled, StepTimed, StepVerified, SubmitRequest, TokensCommitted, TransferFinished,
 )
-from nightjar.sim.profile_model import Profile
+from nightjar.actors.step_profile import Profile
 
 TOKEN = 5
 DEFAULT_ACCEPTANCE = (0.78, 0.74, 0.71, 0.68, 0.66, 0.64, 0.62, 0.60)

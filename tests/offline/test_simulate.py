@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from nightjar.kernel.messages import StepTimed
-from nightjar.replay import replay_file
-from nightjar.sim.executors import fit_acceptance
-from nightjar.sim.profile_model import Profile, roofline_profile
-from nightjar.sim.workload import STRESS, make_workload
-from nightjar.simulate import SimConfig, main as simulate_main, simulate
+from nightjar.offline.replay import replay_file
+from nightjar.offline.sim.executors import fit_acceptance
+from nightjar.actors.step_profile import Profile, roofline_profile
+from nightjar.offline.sim.workload import STRESS, make_workload
+from nightjar.offline.simulate import SimConfig, main as simulate_main, simulate
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,8 @@ def test_the_cli_prints_one_row_per_policy(capsys):
 def test_simulator_tracks_a_measured_engine_run_on_this_machine(tiny_pair):
     """Simulator vs reality on the tiny model runs end to end (prints the table; the ratio is benchmarked)."""
     from nightjar.engine import Engine
-    from nightjar.profile import build_profile, engine_overhead
-    from nightjar.sim.validate import compare, format_compare, phased_workload
+    from nightjar.offline.profile import build_profile, engine_overhead
+    from nightjar.offline.sim.validate import compare, format_compare, phased_workload
 
     t, d = tiny_pair
     kw = dict(loaded=(t, d), dtype="float32", num_blocks=256, block_size=8)
@@ -89,7 +89,7 @@ def test_simulator_tracks_a_measured_engine_run_on_this_machine(tiny_pair):
     real, sim = compare(lambda **k: Engine(policy="fixed:2", max_num_seqs=16, gamma_max=4, **kw, **k), prof, wl,
                         "fixed:2", gamma_max=4, max_num_seqs=16, num_blocks=256, elastic_memory=False)
     print(format_compare(real, sim))
-    # How close they are is a benchmark (python -m nightjar.sim.validate), not a timed test. Here: both
+    # How close they are is a benchmark (python -m nightjar.offline.sim.validate), not a timed test. Here: both
     # runs complete the same requests with the same γ, and this open-loop load (far below what even a
     # slow CI machine serves) is arrival-bound, so the throughputs agree within a factor far wider
     # than any noise yet narrow enough to catch a simulator that mis-times steps or requests.

@@ -12,7 +12,7 @@ from nightjar.kernel.bus import Envelope
 from nightjar.kernel.messages import DraftResidency, StepPlanned, StepScheduled, StepTimed
 from nightjar.kernel.trace import TraceWriter
 from nightjar.models import LoadedModel
-from nightjar.replay import full_replay, main as replay_main, replay_file
+from nightjar.offline.replay import full_replay, main as replay_main, replay_file
 from nightjar.sampling import SamplingParams
 
 GOLDEN = sorted((Path(__file__).parent / "replay").glob("*.njtrace"))
@@ -151,7 +151,7 @@ def test_a_damaged_file_exits_2(tmp_path, capsys):
 
 
 def test_trace_summary_prints_a_phase_table_and_draws_a_timeline(tmp_path, capsys):
-    from nightjar.trace_tools import main as trace_main
+    from nightjar.offline.trace_summary import main as trace_main
 
     golden = GOLDEN[0] if GOLDEN else None
     if golden is None:
