@@ -10,7 +10,7 @@ from nightjar.kernel.messages import StepTimed
 from nightjar.offline.replay import replay_file
 from nightjar.offline.sim.executors import fit_acceptance
 from nightjar.actors.step_profile import Profile, roofline_profile
-from nightjar.offline.sim.workload import STRESS, make_workload
+from nightjar.offline.sim.workload import make_workload, stress_rates
 from nightjar.offline.simulate import SimConfig, main as simulate_main, simulate
 
 
@@ -29,7 +29,7 @@ def test_poisson_and_gamma_arrivals_have_the_requested_rate_and_burstiness():
 def test_the_stress_shapes_follow_their_phase_rates():
     wl = make_workload("spike", seed=2, phase_s=20)
     counts = np.histogram(wl.times, bins=np.arange(0, 20 * 6, 20))[0]
-    expected = np.array(STRESS["spike"]) * 20
+    expected = np.array(stress_rates("spike")) * 20
     assert np.all(np.abs(counts - expected) < 4 * np.sqrt(expected) + 2), (counts, expected)
 
 

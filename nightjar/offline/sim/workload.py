@@ -6,25 +6,20 @@ Phased traces use the bench JSON format ``{"phases": [{"duration_s": 30, "rate":
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
-# The paper's stress traces (authors' generate_nightjar_traces.py shapes); phase length in seconds.
-STRESS = {
-    "spike": [2, 8, 24, 40, 6],
-    "oscillation": [4, 28] * 3,
-    "worst": [6, 36, 36, 3, 30],
-}
+from nightjar.bench.arrivals import Phase, gamma_gaps, load_trace, poisson_arrivals
+
+# The paper's stress shapes: the rates (req/s) the shipped bench traces were scaled from ("paper_rate").
+STRESS_TRACES = {"spike": "spike", "oscillation": "oscillation", "worst": "worst_case"}
 STRESS_ALIASES = {"burst": "spike", "burst-spike": "spike", "osc": "oscillation", "worst-case": "worst"}
 
 
-@dataclass(frozen=True)
-class Phase:
-    duration_s: float
-    rate: float
-    burstiness: float = 1.0
+def stress_rates(name: str) -> list[float]:
+    """The paper's rates of a stress shape, read from its bench trace (``bench/traces/NAME.json``)."""
+    return [float(p.extra["paper_rate"]) for p in load_trace(STRESS_TRACES[name]).phases]
 
 
 @dataclass
@@ -40,22 +35,17 @@ class Workload:
 
 
 def phase_times(phases: list[Phase], rng: np.random.Generator) -> np.ndarray:
+    """Arrival times of consecutive phases (the bench's gamma gaps; each phase drawn in chunks)."""
     out, start = [], 0.0
     for ph in phases:
         if ph.rate > 0:
             n = int(ph.rate * ph.duration_s * 1.5) + 32
-            t = start + np.cumsum(rng.gamma(ph.burstiness, 1.0 / (ph.rate * ph.burstiness), size=n))
+            t = start + np.cumsum(gamma_gaps(rng, ph.rate, ph.burstiness, n))
             while t[-1] < start + ph.duration_s:        # rare: draw more
-                t = np.concatenate([t, t[-1] + np.cumsum(rng.gamma(ph.burstiness, 1.0 / (ph.rate * ph.burstiness),
-                                                                    size=n))])
+                t = np.concatenate([t, t[-1] + np.cumsum(gamma_gaps(rng, ph.rate, ph.burstiness, n))])
             out.append(t[t < start + ph.duration_s])
         start += ph.duration_s
     return np.concatenate(out) if out else np.zeros(0)
-
-
-def parse_phases(obj) -> list[Phase]:
-    raw = obj["phases"] if isinstance(obj, dict) else obj
-    return [Phase(float(p["duration_s"]), float(p["rate"]), float(p.get("burstiness", 1.0))) for p in raw]
 
 
 def lengths(rng: np.random.Generator, n: int, mean: float, lo: int, hi: int, sigma: float = 0.6) -> np.ndarray:
@@ -83,14 +73,12 @@ def make_workload(spec: str, *, seed: int = 0, num_requests: int | None = None, 
         if duration_s is not None:
             times = phase_times([Phase(duration_s, rate, b)], rng)
         else:
-            n = num_requests or 1000
-            times = np.concatenate([[0.0], np.cumsum(rng.gamma(b, 1.0 / (rate * b), size=n - 1))])
-    elif key in STRESS:
-        phases = [Phase(phase_s, float(r)) for r in STRESS[key]]
+            times = poisson_arrivals(num_requests or 1000, rate, b, rng)
+    elif key in STRESS_TRACES:
+        phases = [Phase(phase_s, r) for r in stress_rates(key)]
         times = phase_times(phases, rng)
     else:
-        with open(spec) as f:
-            phases = parse_phases(json.load(f))
+        phases = list(load_trace(spec).phases)
         times = phase_times(phases, rng)
     if num_requests is not None:
         times = times[:num_requests]
