@@ -158,6 +158,3 @@ def roofline_profile(gpu: str, shape: str, *, block_size: int = 16, mem_util: fl
               "mem_eff": mem_eff, "flop_eff": flop_eff, "target_params": tgt.params, "draft_params": dft.params},
     )
 
-
-def is_finite_profile(p: Profile) -> bool:
-    return all(math.isfinite(x) for row in p.T for x in row)

@@ -58,7 +58,7 @@ def _stat(ts: list[float]) -> float:
     return ts[(len(ts) - 1) // 4]
 
 
-def _median_time(fn, reps: int) -> float:
+def _quartile_time(fn, reps: int) -> float:
     fn()
     fn()
     ts = []
@@ -94,15 +94,15 @@ def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool
                 samples[(i, j)].append(time.perf_counter() - t0)
         log(f"  target pass {r}/{reps}")
     T = [[_stat(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
-    pre = _median_time(lambda: tb.forward(1, 128, 0), reps)
+    pre = _quartile_time(lambda: tb.forward(1, 128, 0), reps)
     out = {"B": Bs, "q": qs, "T": T, "ctx": ctx,
            "prefill_s_per_token": max(pre - T[0][0], 0.0) / 127}
     if draft is not None:
         db = _Bench(draft, block_size, max(Bs), ctx)
         out["draft_B"] = Bs
-        out["draft_T"] = [_median_time(lambda: db.forward(b, 1), reps) for b in Bs]
-        c16 = _median_time(lambda: db.forward(1, 16, 0), reps)
-        c128 = _median_time(lambda: db.forward(1, 128, 0), reps)
+        out["draft_T"] = [_quartile_time(lambda: db.forward(b, 1), reps) for b in Bs]
+        c16 = _quartile_time(lambda: db.forward(1, 16, 0), reps)
+        c128 = _quartile_time(lambda: db.forward(1, 128, 0), reps)
         out["catchup_per_token"] = max(c128 - c16, 0.0) / 112
         out["catchup_c0"] = max(c16 - 16 * out["catchup_per_token"], 0.0)
         out.update(_transfer(draft, db.cache, reps))
@@ -124,7 +124,7 @@ def _transfer(draft, cache, reps: int) -> dict:
     def back():
         for h, t in zip(host, tensors):
             t.copy_(h)
-    return {"offload_s": _median_time(off, reps), "reload_s": _median_time(back, reps), "draft_bytes": nbytes}
+    return {"offload_s": _quartile_time(off, reps), "reload_s": _quartile_time(back, reps), "draft_bytes": nbytes}
 
 
 def engine_overhead(make_engine, n: int = 8, max_tokens: int = 24) -> float:
