@@ -187,3 +187,21 @@ async def test_the_head_deadline_spares_a_long_request_and_an_idle_kept_alive_co
             assert r.status == 200
         assert len(srv.app[STATE].guard.open) == 1
     assert not [r for r in server_records(caplog) if "dropped client" in r.getMessage()]
+
+
+def test_server_limits_refuse_nonpositive_values():
+    for kw in ({"header_timeout_s": 0}, {"body_timeout_s": -1}, {"keepalive_timeout_s": 0}, {"max_connections": 0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            ServerLimits(**kw)
+
+
+async def test_non_http_bytes_on_a_new_connection_get_a_400_and_no_line_above_debug(serve, caplog):
+    caplog.set_level(logging.DEBUG)
+    srv = await serve("off")
+    caplog.clear()
+    reader, writer = await connect(srv)
+    writer.write(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40)      # a TLS ClientHello start
+    reply = await closed_within(reader, 3.0)
+    writer.close()
+    assert reply.split(b" ")[1] == b"400", reply[:200]
+    assert not [r for r in server_records(caplog) if r.levelno >= logging.INFO]
