@@ -15,9 +15,10 @@ import statistics
 import time
 from pathlib import Path
 
-from nightjar.actors.policies import PlannerState, make_policy
-from nightjar.sim.planner_env import WEAK, PlannerEnv
-from nightjar.sim.profile_model import Profile
+from nightjar.actors.policies import PlannerState
+from nightjar.actors.policy_factory import make_policy
+from nightjar.offline.sim.planner_env import WEAK, PlannerEnv
+from nightjar.actors.step_profile import Profile
 
 PROFILE = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data" / "profile_cpu_bf16.json"
 
@@ -66,7 +67,8 @@ def main() -> int:
             d, o = time_calls(pol, res, a.calls)
             dec[s].append(d)
             obs[s].append(o)
-    print(f"{'policy':<16} {'decide µs':>10} {'observe µs':>11} {'sum µs':>8}   (median of {a.repeats}, {a.calls} calls each)")
+    print(f"{'policy':<16} {'decide µs':>10} {'observe µs':>11} {'sum µs':>8}"
+          f"   (median of {a.repeats}, {a.calls} calls each)")
     for s in pols:
         d, o = statistics.median(dec[s]), statistics.median(obs[s])
         print(f"{s:<16} {d:>10.2f} {o:>11.2f} {d + o:>8.2f}")

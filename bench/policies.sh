@@ -2,7 +2,8 @@
 # The planner/elastic-memory benchmark (issue "Nightjar's core"): real SmolLM2 target + shipped draft,
 # bf16, a device budget where the draft is worth >= 15 % of the KV pool. Policies are compared on the
 # same arrivals, each on a fresh server, order rotated across repetitions (nightjar bench compare).
-#   bash bench/policies.sh [OUT_DIR]            (REPEATS, DURATION, LEVELS, POLICIES override)
+#   bash bench/policies.sh [OUT_DIR]            (REPEATS, DURATION, LEVELS, POLICIES override; TRACE=0 skips
+#                                                the phased trace)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/policies}
@@ -11,7 +12,7 @@ PY=${PYTHON:-.venv/bin/python}
 # 575 MB: target 269 MB + draft 31 MB weights + ~700 blocks of (368 KB target + 24 KB draft) KV
 MEM=${MEM:-575000000}
 SERVER="--device-memory $MEM --max-num-seqs 64 --dtype bfloat16"
-POLICIES=${POLICIES:-off,fixed:1,fixed:2,fixed:3,fixed:4,dsd,banditspec,nightjar,nightjar-nooffload}
+POLICIES=${POLICIES:-off,fixed:1,fixed:2,fixed:3,fixed:4,dsd,banditspec,nightjar-paper,nightjar,nightjar-nooffload}
 REPEATS=${REPEATS:-1}
 TRACE_SCALE=${TRACE_SCALE:-0.6}
 DURATION=${DURATION:-20}
@@ -20,6 +21,7 @@ for N in ${LEVELS:-1 4 16 64}; do
     --repeats "$REPEATS" --server-args "$SERVER" --dataset-name prompts --split heldout --output-len 96 \
     --temperature 0 --output-json "$OUT/closed_$N.json" --disable-tqdm | tee "$OUT/closed_$N.md"
 done
+[ "${TRACE:-1}" = 0 ] && exit 0
 "$PY" -m nightjar bench compare --policies "${TRACE_POLICIES:-off,fixed:2,fixed:4,nightjar,nightjar-nooffload}" \
   --trace bench/traces/phased_low_surge_low.json --trace-time-scale "$TRACE_SCALE" --repeats "$REPEATS" --server-args "$SERVER" \
   --dataset-name prompts --split all --temperature 0 --output-json "$OUT/phased.json" \
