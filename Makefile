@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.nightjar-installed
 PYTEST_ARGS ?=
 
-.PHONY: test serve venv models bench clean
+.PHONY: test lint serve venv models bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ venv: $(STAMP)
 
 models: $(STAMP)
 	$(PY) -m nightjar models pull
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 test: $(STAMP)
 	$(PY) -m nightjar models pull --quiet

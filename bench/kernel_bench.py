@@ -112,8 +112,7 @@ def bench_migration(device, t, big, dtype, use_triton):
 
 def bench_rejection(device, t, big, use_triton):
     from nightjar.actors.sampler import draw_uniforms, rejection_sample
-    from nightjar.triton_kernels.rejection_triton import (draw_noise, rejection_sample_noise_ref,
-                                                          rejection_sample_triton)
+    from nightjar.triton_kernels.rejection_triton import draw_noise, rejection_sample_noise_ref, rejection_sample_triton
     B, G, V = (64, 5, 128256) if big else (8, 4, 32000)
     p = torch.rand(B, G + 1, V, device=device).softmax(-1)
     q = torch.rand(B, G, V, device=device).softmax(-1)

@@ -23,7 +23,10 @@ def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
     b.copy_(a)
     ts = []
     for _ in range(5):
-        _sync(device); t0 = time.perf_counter(); b.copy_(a); _sync(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
         ts.append(time.perf_counter() - t0)
     return nbytes / min(ts)
 
@@ -43,7 +46,10 @@ def step_time(model, B: int, q: int, ctx: int, reps: int, device: str) -> float:
         model(lay, cache)
     ts = []
     for _ in range(reps):
-        _sync(device); t0 = time.perf_counter(); model(lay, cache); _sync(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        model(lay, cache)
+        _sync(device)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 

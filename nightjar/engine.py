@@ -23,7 +23,12 @@ from nightjar.kernel.bus import Bus
 from nightjar.kernel.clock import MonotonicClock
 from nightjar.kernel.config import EngineConfig
 from nightjar.kernel.messages import (
-    AbortRequest, FinishReason, RequestRejected, StepTimed, SubmitRequest, TokensCommitted,
+    AbortRequest,
+    FinishReason,
+    RequestRejected,
+    StepTimed,
+    SubmitRequest,
+    TokensCommitted,
 )
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
@@ -172,7 +177,8 @@ class Engine:
                         "(raise the memory budget or --num-blocks, or lower --max-model-len)", self.max_model_len,
                         min(c.max_model_len, tc.max_position), self.memory.num_blocks * c.block_size)
         dev, dtype = self.target.model.device, self.target.model.dtype
-        self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks, dtype, dev)
+        self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks,
+                             dtype, dev)
         self.clock = MonotonicClock()
         self.bus = Bus(self.clock)
         self.collector = Collector()
@@ -204,7 +210,8 @@ class Engine:
         """The context every request may use, and what the server advertises: max_model_len capped by the
         model's positions and by the base KV pool (always there; it only grows while the draft is offloaded)."""
         c = self.config
-        return context_limit(min(c.max_model_len, self.target.config.max_position), self.memory.num_blocks * c.block_size)
+        return context_limit(min(c.max_model_len, self.target.config.max_position),
+                             self.memory.num_blocks * c.block_size)
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes the engine holds on its device now (the budget covers their sum)."""

@@ -199,7 +199,7 @@ def test_a_prompt_longer_than_the_base_pool_gets_a_400_naming_the_advertised_con
                         pass
                     raise AssertionError("a prompt over the context was admitted")
                 except RequestError as e:
-                    assert e.status == 400 and f"the context is 128" in str(e), str(e)
+                    assert e.status == 400 and "the context is 128" in str(e), str(e)
             await pool_settled(eng)
             assert_pool_clean(eng)
     asyncio.run(main())

@@ -10,7 +10,7 @@ from nightjar.data import load_prompts
 from nightjar.engine import Engine
 from nightjar.models import LoadedModel
 from nightjar.sampling import EngineError, SamplingParams
-from tests.conftest import perturbed, random_model, tiny_config
+from tests.conftest import random_model, tiny_config
 
 POLICIES = ["off", "fixed:1", "fixed:3", "fixed:5"]
 
@@ -261,7 +261,8 @@ def test_a_request_larger_than_the_pool_ends_with_length_instead_of_hanging(make
 def test_synthetic_acceptance_accepts_drafts_at_the_set_rate(make_engine, smol_tokenizer):
     async def main(rate):
         async with make_engine("fixed:3", synthetic_acceptance=rate) as eng:
-            await run_all(eng, prompts_of_mixed_length(smol_tokenizer, 4), SamplingParams(max_tokens=20, ignore_eos=True))
+            params = SamplingParams(max_tokens=20, ignore_eos=True)
+            await run_all(eng, prompts_of_mixed_length(smol_tokenizer, 4), params)
             return eng.stats
     full, none = asyncio.run(main(1.0)), asyncio.run(main(0.0))
     assert full.accepted_tokens == full.draft_tokens > 0

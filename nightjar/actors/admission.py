@@ -5,7 +5,13 @@ from typing import ClassVar
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    AbortRequest, CancelRequest, RequestAdmitted, RequestRejected, SamplingSpec, SubmitRequest, TokensCommitted,
+    AbortRequest,
+    CancelRequest,
+    RequestAdmitted,
+    RequestRejected,
+    SamplingSpec,
+    SubmitRequest,
+    TokensCommitted,
 )
 
 

@@ -11,8 +11,17 @@ from typing import ClassVar
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    BlocksReserved, CancelRequest, FinishReason, PoolResized, ReleaseBlocks,
-    RequestAdmitted, RequestsPreempted, SamplingSpec, StepScheduled, StepVerified, TokensCommitted,
+    BlocksReserved,
+    CancelRequest,
+    FinishReason,
+    PoolResized,
+    ReleaseBlocks,
+    RequestAdmitted,
+    RequestsPreempted,
+    SamplingSpec,
+    StepScheduled,
+    StepVerified,
+    TokensCommitted,
 )
 
 
@@ -139,8 +148,12 @@ class Batcher(Actor):
             seq.tokens.extend(kept)
             if self.aborts and rid in self.aborts:
                 kept, reason = (), self.aborts.pop(rid)
-            ids.append(rid); counts.append(len(kept)); toks.extend(kept)
-            comp.append(seq.num_computed); fin.append(int(reason)); nprompt.append(seq.num_prompt)
+            ids.append(rid)
+            counts.append(len(kept))
+            toks.extend(kept)
+            comp.append(seq.num_computed)
+            fin.append(int(reason))
+            nprompt.append(seq.num_prompt)
         out = [TokensCommitted(step=msg.step, req_ids=tuple(ids), counts=tuple(counts), tokens=tuple(toks),
                                num_computed=tuple(comp), finish=tuple(fin), num_prompt=tuple(nprompt))]
         done = tuple(rid for rid, f in zip(ids, fin) if f)

@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nightjar.actors.sampler import gumbel_noise, seeded_scores
 from nightjar.kernel.messages import RequestAdmitted, SamplingSpec, TokensCommitted
 from nightjar.kernel.seeds import derive_seed, request_seed
-from nightjar.actors.sampler import gumbel_noise, seeded_scores
 from nightjar.models.llama import build_layout
 
 

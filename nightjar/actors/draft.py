@@ -9,12 +9,17 @@ from typing import ClassVar
 import torch
 
 from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
+from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    BlocksReserved, RequestAdmitted, RequestsPreempted, StepDrafted, StepScheduled, TokensCommitted,
+    BlocksReserved,
+    RequestAdmitted,
+    RequestsPreempted,
+    StepDrafted,
+    StepScheduled,
+    TokensCommitted,
 )
 from nightjar.kvpool.blocks import BlockAllocator
-from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
 
 
 class DraftBuffers:

@@ -7,7 +7,14 @@ from typing import ClassVar
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    BlocksReserved, GrowPool, PoolResized, ReleaseBlocks, ShrinkPool, StepPlanned, StepScheduled, TokensCommitted,
+    BlocksReserved,
+    GrowPool,
+    PoolResized,
+    ReleaseBlocks,
+    ShrinkPool,
+    StepPlanned,
+    StepScheduled,
+    TokensCommitted,
 )
 from nightjar.kvpool.blocks import BlockAllocator, KVPoolError
 

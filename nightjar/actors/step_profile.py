@@ -15,7 +15,6 @@ and the memory plan: num_blocks, block_size, draft_blocks (what the pool grows b
 from __future__ import annotations
 
 import json
-import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 

@@ -10,11 +10,17 @@ import torch
 
 from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
 from nightjar.actors.draft import DraftBuffers
+from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits, verify
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    BlocksReserved, RequestAdmitted, StepDrafted, StepScheduled, StepTimed, StepVerified, TokensCommitted,
+    BlocksReserved,
+    RequestAdmitted,
+    StepDrafted,
+    StepScheduled,
+    StepTimed,
+    StepVerified,
+    TokensCommitted,
 )
-from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits, verify
 
 
 class Verifier(Actor):
@@ -53,9 +59,12 @@ class Verifier(Actor):
         for row, chunk in enumerate(s.chunk_ids):
             if row < s.num_decode:
                 d = [t for t in drafted.draft_tokens[row * g:(row + 1) * g] if t >= 0] if drafted else []
-                chunks.append(list(chunk) + d); nlog.append(1 + len(d)); drafts.append(d)
+                chunks.append(list(chunk) + d)
+                nlog.append(1 + len(d))
+                drafts.append(d)
             else:
-                chunks.append(list(chunk)); nlog.append(1 if s.prefill_done[row - s.num_decode] else 0)
+                chunks.append(list(chunk))
+                nlog.append(1 if s.prefill_done[row - s.num_decode] else 0)
         return chunks, nlog, drafts
 
     def _verify(self, drafted: StepDrafted | None):
@@ -79,11 +88,14 @@ class Verifier(Actor):
         dec_out, dec_acc = self._verify_decode(logits, offsets, drafts, probs_q, gamma) if dec else ([], [])
         for row in range(len(s.req_ids)):
             if row < s.num_decode:
-                out.append(dec_out[row]); acc.append(dec_acc[row])
+                out.append(dec_out[row])
+                acc.append(dec_acc[row])
             elif nlog[row]:
-                out.append([self._sample_one(logits[offsets[row]], s.req_ids[row])]); acc.append(0)
+                out.append([self._sample_one(logits[offsets[row]], s.req_ids[row])])
+                acc.append(0)
             else:
-                out.append([]); acc.append(0)
+                out.append([])
+                acc.append(0)
         return out, acc
 
     def _verify_decode(self, logits, offsets, drafts, probs_q, gamma):

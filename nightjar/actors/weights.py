@@ -18,8 +18,20 @@ import torch
 
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
-    BlocksReserved, DraftOffloaded, DraftReloaded, DraftResidency, GrowPool, OffloadDraft, PoolResized,
-    ReloadDraft, RequestAdmitted, ShrinkPool, StepScheduled, StepVerified, TokensCommitted, TransferFinished,
+    BlocksReserved,
+    DraftOffloaded,
+    DraftReloaded,
+    DraftResidency,
+    GrowPool,
+    OffloadDraft,
+    PoolResized,
+    ReloadDraft,
+    RequestAdmitted,
+    ShrinkPool,
+    StepScheduled,
+    StepVerified,
+    TokensCommitted,
+    TransferFinished,
 )
 
 log = logging.getLogger(__name__)
@@ -184,7 +196,8 @@ class WeightMover(Actor):
         self.num_offloads += 1
         n, info = self.triggers.draft_blocks, self.offload_info
         return [DraftOffloaded(bytes_moved=info.nbytes, duration_s=info.duration_s, freed_blocks=n),
-                DraftResidency(resident=False, state=self.state), GrowPool(num_blocks=n)] + (self._reload_if_idle() or [])
+                DraftResidency(resident=False, state=self.state), GrowPool(num_blocks=n)] \
+            + (self._reload_if_idle() or [])
 
     # ---- reload: shrink the pool first, then copy back ----------------------------------------
     def _start_shrink(self):

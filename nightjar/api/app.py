@@ -23,8 +23,20 @@ from nightjar.api.heap import trim_when_idle
 from nightjar.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nightjar.api.metrics import ServerMetrics
 from nightjar.api.schemas import (
-    ApiError, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChatMessageOut, Completion, CompletionChoice, CompletionRequest, Delta, ModelCard, ModelList, Usage,
+    ApiError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    Usage,
     decode_error,
 )
 from nightjar.api.stream import DeltaCollector

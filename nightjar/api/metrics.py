@@ -14,7 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from nightjar.kernel.messages import (
-    DraftOffloaded, DraftReloaded, DraftResidency, PoolResized, StepTimed, TokensCommitted,
+    DraftOffloaded,
+    DraftReloaded,
+    DraftResidency,
+    PoolResized,
+    StepTimed,
+    TokensCommitted,
 )
 
 log = logging.getLogger("nightjar.api")

@@ -5,9 +5,7 @@ import argparse
 import contextlib
 import json
 import math
-import shlex
 import sys
-from pathlib import Path
 
 from nightjar.bench.arrivals import TraceError, load_trace
 from nightjar.bench.datasets import DATASETS, DatasetError
@@ -210,7 +208,8 @@ def _server_args(p: argparse.ArgumentParser, single: bool) -> None:
         s.add_argument("--policy", default="nightjar", help="with --launch / --in-process")
     s.add_argument("--in-process", action="store_true",
                    help="build the Engine and app in this process on a loopback port")
-    s.add_argument("--server-args", default="", help='extra `nightjar serve` flags, e.g. "--dtype float32 --num-blocks 512"')
+    s.add_argument("--server-args", default="",
+                   help='extra `nightjar serve` flags, e.g. "--dtype float32 --num-blocks 512"')
     s.add_argument("--server-model", default=None, help="--model for the launched server")
     s.add_argument("--startup-timeout", type=float, default=600.0)
 

@@ -145,7 +145,8 @@ class MetricsPoller:
     async def scrape(self) -> Sample | None:
         try:
             async with self.session.get(self.cfg.root + "/metrics",
-                                        timeout=aiohttp.ClientTimeout(total=max(2.0, self.cfg.timeline_interval_s))) as r:
+                                        timeout=aiohttp.ClientTimeout(
+                                            total=max(2.0, self.cfg.timeline_interval_s))) as r:
                 if r.status != 200:
                     self.errors += 1
                     return None

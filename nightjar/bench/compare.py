@@ -146,7 +146,8 @@ def _r(v: dict | None) -> str:
 def markdown_compare(summary: dict[str, Any]) -> str:
     pols = summary["policies"]
     lines = [f"## Policy comparison ({summary['repeats']} repetition(s), medians; spread min–max)", "",
-             "| policy | ok runs | output tok/s | mean TTFT (ms) | mean E2E (ms) | mean TPOT (ms) | acceptance | mean γ "
+             "| policy | ok runs | output tok/s | mean TTFT (ms) | mean E2E (ms) | mean TPOT (ms) | acceptance "
+             "| mean γ "
              "| max batch | max KV blocks |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 

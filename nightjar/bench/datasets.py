@@ -20,7 +20,8 @@ Names (``--dataset-name``):
 A lognormal with median ``m`` and 90th percentile ``q`` has σ = ln(q/m)/1.2816. Input shaping: for each request a
 target length is drawn; a category is drawn by weight; the prompt of that category nearest in length is taken
 (random among the 3 nearest); while the text is still short of 85 % of the target, the nearest prompt to the
-remainder is appended as a numbered sub-task (at most 12 parts, no prompt twice). Lengths are counted with the target model's
+remainder is appended as a numbered sub-task (at most 12 parts, no prompt twice). Lengths are counted with the target
+model's
 tokenizer when one is given, else estimated as 1.3 tokens per word. Lengths exclude the chat template.
 
 Split (``--split auto``): the ``heldout`` split when it has at least as many prompts as the run needs (73
@@ -209,7 +210,8 @@ def _native(n: int, rows: list[dict], rng: np.random.Generator, tokenizer: Token
     out = []
     for i, j in enumerate(idx[:n]):
         r = rows[j]
-        out.append(BenchRequest(i, r["prompt"], output_len or int(r["max_tokens"]), count_tokens(r["prompt"], tokenizer),
+        out.append(BenchRequest(i, r["prompt"], output_len or int(r["max_tokens"]),
+                                count_tokens(r["prompt"], tokenizer),
                                 r["category"], r["id"]))
     return out
 

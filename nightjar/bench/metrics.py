@@ -72,7 +72,8 @@ class RequestResult:
     def to_dict(self, detailed: bool = False) -> dict[str, Any]:
         ms = lambda x: None if x is None else round(x * 1e3, 3)  # noqa: E731
         d = {"i": self.index, "phase": self.phase, "category": self.category, "prompt_len": self.prompt_len,
-             "max_tokens": self.max_tokens, "scheduled_s": round(self.scheduled_s, 6), "start_s": round(self.start_s, 6),
+             "max_tokens": self.max_tokens, "scheduled_s": round(self.scheduled_s, 6),
+             "start_s": round(self.start_s, 6),
              "success": self.success, "status": self.status, "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s),
              "e2e_ms": ms(self.e2e_s), "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
              "num_chunks": len(self.chunk_s), "finish_reason": self.finish_reason}

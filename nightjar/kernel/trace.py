@@ -196,7 +196,8 @@ class TraceReader:
             self.schema_drift = True
             if not self.allow_schema_drift:
                 raise TraceError(f"{p}: message schema differs from this build's (trace {head.get('schema_hash')}, "
-                                 f"build {schema_hash()}); pass allow_schema_drift / --allow-schema-drift to try anyway")
+                                 f"build {schema_hash()}); pass allow_schema_drift / --allow-schema-drift "
+                                 "to try anyway")
         return head
 
     def _frame(self, f, p: Path) -> tuple[bool, bytes] | None:
@@ -221,7 +222,8 @@ class TraceReader:
             self.truncated = True
             return None
         raise TraceError(f"{p}: truncated at byte {pos} (no end-of-trace footer); "
-                         f"the recording stopped abruptly (pass allow_truncated / --allow-truncated to read the prefix)")
+                         "the recording stopped abruptly (pass allow_truncated / --allow-truncated to read "
+                         "the prefix)")
 
     def __iter__(self) -> Iterator[Envelope]:
         part = 0

@@ -14,7 +14,6 @@ from torch import nn
 
 from nightjar.models.config import ModelConfig
 
-
 SHORT_QUERY = 16          # rows with at most this many query tokens share one attention group
 
 

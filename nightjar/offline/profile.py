@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 
 import torch
 
 from nightjar.actors.common import run_chunks
+from nightjar.actors.step_profile import Profile
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
-from nightjar.actors.step_profile import Profile
 
 FULL_B, FULL_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5]
 QUICK_B, QUICK_Q = [1, 2, 4, 8], [1, 2, 3]

@@ -18,10 +18,10 @@ from typing import Any, Callable, Iterable
 
 import msgspec
 
+from nightjar.actors.control import CONTROL_ACTORS, ControlBuildError, build_control_actors, spec_from_header
 from nightjar.kernel.bus import Envelope
 from nightjar.kernel.messages import Msg
 from nightjar.kernel.trace import TraceError, TraceReader
-from nightjar.actors.control import CONTROL_ACTORS, ControlBuildError, build_control_actors, spec_from_header
 
 # Measured fields: a replayed actor cannot reproduce wall-clock durations, so they are not compared.
 MEASURED_FIELDS = frozenset({"duration_s", "step_time_s", "draft_time_s", "catchup_time_s"})
@@ -59,8 +59,9 @@ class Divergence:
     def describe(self) -> str:
         lines = [f"divergence at seq {self.seq} in actor {self.actor!r}"
                  + (f" (replayed output of input seq {self.input_seq})" if self.input_seq else "")]
-        lines.append(f"  expected: {fmt_env(self.expected) if self.expected else '(nothing: the recording has no further output)'}")
-        lines.append(f"  got:      {fmt_msg(self.got) if self.got is not None else '(nothing: the replayed actor produced no output)'}")
+        expected = fmt_env(self.expected) if self.expected else "(nothing: the recording has no further output)"
+        got = fmt_msg(self.got) if self.got is not None else "(nothing: the replayed actor produced no output)"
+        lines += [f"  expected: {expected}", f"  got:      {got}"]
         if self.before or self.after:
             lines.append("  context:")
             lines += [("  > " if e.seq == self.seq else "    ") + fmt_env(e, 160) for e in self.before + self.after]
@@ -288,9 +289,9 @@ def full_replay(path: str, loaded=None, *, allow_schema_drift: bool = False, spe
     unseeded sampled ones are only reported. Requests the client aborted are re-run to their recorded length."""
     import asyncio
 
+    from nightjar.actors.control import header_config
     from nightjar.engine import Engine
     from nightjar.sampling import SamplingParams
-    from nightjar.actors.control import header_config
 
     reader = TraceReader(path, allow_schema_drift=allow_schema_drift)
     reqs = recorded_requests(reader)

@@ -17,12 +17,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from nightjar.kernel.messages import SamplingSpec, SubmitRequest
 from nightjar.actors.control import ControlSpec, build_control_actors
+from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.kernel.config import EngineConfig
+from nightjar.kernel.messages import SamplingSpec, SubmitRequest
 from nightjar.offline.sim.dispatch import SyncBus
 from nightjar.offline.sim.executors import DEFAULT_ACCEPTANCE, SimCollector, SimExecutor, SimTransfer, fit_acceptance
-from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.offline.sim.workload import Workload, make_workload
 
 

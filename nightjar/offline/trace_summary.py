@@ -13,7 +13,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nightjar.kernel.messages import (
-    BlocksReserved, DraftOffloaded, DraftReloaded, DraftResidency, PoolResized, StepTimed, SubmitRequest,
+    BlocksReserved,
+    DraftOffloaded,
+    DraftReloaded,
+    DraftResidency,
+    PoolResized,
+    StepTimed,
+    SubmitRequest,
     TokensCommitted,
 )
 from nightjar.kernel.trace import TraceError, TraceReader
@@ -98,7 +104,8 @@ def format_table(rows: list[dict]) -> str:
         gam = " ".join(f"{g}:{n}" for g, n in r["gamma"].items()) or "-"
         lines.append(f"{i:>5} {r['t0']:7.2f}-{r['t1']:<7.2f} {r['requests']:>5} {r['tok_s']:>9.1f} {r['steps']:>6} "
                      f"{r['mean_batch']:>7.2f} {acc:>7} {r['offloads']:>2}/{r['reloads']:<3} "
-                     f"{'-' if r['pool'] is None else r['pool']:>6} {'-' if r['min_free'] is None else r['min_free']:>7}  {gam}")
+                     f"{'-' if r['pool'] is None else r['pool']:>6} "
+                     f"{'-' if r['min_free'] is None else r['min_free']:>7}  {gam}")
     return "\n".join(lines)
 
 

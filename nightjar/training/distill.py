@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from nightjar.data import training_prompts
 from nightjar.data.templated import templated_prompts
+from nightjar.kvpool.cache import KVCache
 from nightjar.models import DEFAULT_DRAFT_DIR, LlamaModel, build_layout, load_model
 from nightjar.models.config import ModelConfig
 from nightjar.models.llama import apply_rope
 from nightjar.sampling import SamplingParams
-from nightjar.kvpool.cache import KVCache
 
 TOPK = 16
 
@@ -99,7 +99,9 @@ def teacher_topk(target, corpus: list[dict], k: int = TOPK, batch_tokens: int = 
     while i < len(corpus):
         group, used = [], 0
         while i < len(corpus) and (not group or used + _len(corpus[i]) <= batch_tokens):
-            group.append(corpus[i]); used += _len(corpus[i]) + bs; i += 1
+            group.append(corpus[i])
+            used += _len(corpus[i]) + bs
+            i += 1
         _teacher_group(target.model, cache, group, k, bs)
 
 
@@ -112,7 +114,9 @@ def _teacher_group(model, cache, group, k, bs):
     for r in group:
         seq = r["prompt_ids"] + r["answer_ids"][:-1] if r["answer_ids"] else r["prompt_ids"]
         nb = -(-len(seq) // bs)
-        chunks.append(seq); tables.append(tuple(range(nxt, nxt + nb))); nxt += nb
+        chunks.append(seq)
+        tables.append(tuple(range(nxt, nxt + nb)))
+        nxt += nb
         rows.append(len(r["answer_ids"]))
     lay = build_layout(chunks, [0] * len(chunks), tables, bs, rows)
     logp = model(lay, cache).log_softmax(-1)                                      # [N, V]
@@ -230,7 +234,8 @@ def top1_agreement(model, recs, max_len: int = 384, batch: int = 16) -> dict[str
         same = logits.argmax(-1) == tid[mask][:, 0]                                      # [M]
         src = torch.tensor([r["id"].startswith("tpl-") for r in group])[:, None].expand_as(mask)[mask]
         for key, sel in (("hand-written", ~src), ("templated", src)):
-            hits[key][0] += int(same[sel].sum()); hits[key][1] += int(sel.sum())
+            hits[key][0] += int(same[sel].sum())
+            hits[key][1] += int(sel.sum())
     return {k: round(h / n, 4) for k, (h, n) in hits.items() if n}
 
 
@@ -249,7 +254,9 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
     best = None
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(saved["model"]); opt.load_state_dict(saved["opt"]); state = saved["state"]
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
         log(f"resumed at step {state['step']}")
     gen = torch.Generator().manual_seed(seed)
     t_start, last_ck = time.time() - state["elapsed"], time.time()
@@ -261,7 +268,8 @@ def train(model, corpus, minutes: float, out: Path, lr=2e-3, batch=16, max_len=3
             ids, tid, tlp, mask = collate(recs, max_len)
             frac = min(1.0, (time.time() - t_start) / (minutes * 60))
             for g in opt.param_groups:
-                g["lr"] = g["lr_mult"] * lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+                cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+                g["lr"] = g["lr_mult"] * lr * min(1.0, (state["step"] + 1) / 50) * cosine
             with torch.autocast("cpu", dtype=torch.bfloat16):      # AMX matmuls; loss in fp32
                 logits = dense_forward(model, ids, mask)
             loss = kd_loss(logits, tid, tlp, mask)
@@ -349,7 +357,8 @@ def main(argv=None) -> None:
                     help="learning-rate multiplier of the embeddings when they are trained")
     ap.add_argument("--corpus-only", action="store_true", help="build (or finish) the corpus, then stop")
     a = ap.parse_args(argv)
-    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(f"[distill {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731
     target = load_model(a.model, "bfloat16")
     corpus = build_corpus(target, corpus_jobs(a.templated, a.samples, a.seed), out / "corpus.jsonl", log)
@@ -373,14 +382,17 @@ A draft model for speculative decoding with SmolLM2-135M-Instruct, distilled by 
 - Shape: Llama, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads ({cfg.num_kv_heads} KV),
   MLP {cfg.intermediate_size}, tied embeddings, vocabulary {cfg.vocab_size} (the target's tokenizer).
 - Data: the target's own answers (up to 128 tokens) to {len({r['id'] for r in corpus})} training prompts: greedy answers
-  to the {_count(corpus, 'greedy', hand=True)} hand-written training prompts (`nightjar/data/prompts.jsonl` train split + `prompts_extra.jsonl`) and to
-  {_count(corpus, 'greedy', hand=False)} templated ones (`nightjar/data/templated.py`), plus {a.samples} sampled answer(s)
+  to the {_count(corpus, 'greedy', hand=True)} hand-written training prompts (`nightjar/data/prompts.jsonl` train split
+  + `prompts_extra.jsonl`) and to
+  {_count(corpus, 'greedy', hand=False)} templated ones (`nightjar/data/templated.py`), plus {a.samples} sampled
+  answer(s)
   (T 0.7, top-p 0.95) per hand-written prompt: {len(corpus)} answers, {n_tok} answer tokens. The held-out
   split was never seen.
 - Objective: KL to the target's renormalised top-{TOPK} next-token distribution + 0.2 × CE on its argmax.
   Embeddings initialised from a PCA of the target's embedding matrix.
 - Training: {state['step']} steps of AdamW (batch 16, lr 2e-3 with a cosine over {a.minutes:g} min, weight decay
-  0.01, embeddings {'frozen' if a.freeze else f'trained at {a.embed_lr_mult:g}× lr without decay'}), {state['elapsed'] / 60:.1f} min on 2 CPU cores; final training
+  0.01, embeddings {'frozen' if a.freeze else f'trained at {a.embed_lr_mult:g}× lr without decay'}),
+  {state['elapsed'] / 60:.1f} min on 2 CPU cores; final training
   loss {sum(state['losses'][-50:]) / max(1, len(state['losses'][-50:])):.3f}; {_selection(state, a)}.
 {_agreement(state)}- Reproduce: `python -m nightjar.training.distill {_flags(a)}` (the learning-rate schedule follows
   wall time, so another machine lands near, not on, these weights).
@@ -397,7 +409,8 @@ def _count(corpus, variant: str, hand: bool) -> int:
 def _selection(state, a) -> str:
     if not a.validate:
         return "shipped the last weights (no validation split)"
-    return (f"shipped the weights of step {state.get('best_step')} (best loss {state.get('best_val', float('nan')):.3f} "
+    best = state.get("best_val", float("nan"))
+    return (f"shipped the weights of step {state.get('best_step')} (best loss {best:.3f} "
             "on a validation split of 1/20 of the training prompts)")
 
 

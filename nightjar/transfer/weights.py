@@ -16,7 +16,6 @@ import torch
 
 from nightjar.transfer.weight_pack import pack_tensors, unpack_tensors
 
-
 Failed = Callable[[str, BaseException, float], None]
 
 

@@ -7,11 +7,10 @@ pairs is ``[P, 2]`` int (src, dst). Copies run in parallel, so no dst may also b
 from __future__ import annotations
 
 import torch
-
-from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
 from nightjar.triton_kernels.kv_store import _BITS
 
 

@@ -6,7 +6,13 @@ import pytest
 
 from nightjar.actors.admission import Admission
 from nightjar.kernel.messages import (
-    AbortRequest, CancelRequest, FinishReason, RequestAdmitted, RequestRejected, SamplingSpec, SubmitRequest,
+    AbortRequest,
+    CancelRequest,
+    FinishReason,
+    RequestAdmitted,
+    RequestRejected,
+    SamplingSpec,
+    SubmitRequest,
     TokensCommitted,
 )
 

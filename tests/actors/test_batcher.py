@@ -3,13 +3,22 @@ from __future__ import annotations
 
 from nightjar.actors.batcher import Batcher
 from nightjar.kernel.messages import (
-    BlocksReserved, CancelRequest, FinishReason, ReleaseBlocks, RequestAdmitted, RequestsPreempted, SamplingSpec,
-    StepScheduled, StepVerified, TokensCommitted,
+    BlocksReserved,
+    CancelRequest,
+    FinishReason,
+    ReleaseBlocks,
+    RequestAdmitted,
+    RequestsPreempted,
+    SamplingSpec,
+    StepScheduled,
+    StepVerified,
+    TokensCommitted,
 )
 
 
 def admit(b: Batcher, rid: int, n: int, max_tokens: int = 8, **kw):
-    msg = RequestAdmitted(req_id=rid, prompt_ids=tuple(range(10, 10 + n)), sampling=SamplingSpec(max_tokens=max_tokens, **kw))
+    msg = RequestAdmitted(req_id=rid, prompt_ids=tuple(range(10, 10 + n)),
+                          sampling=SamplingSpec(max_tokens=max_tokens, **kw))
     return b.handle(msg, 0.0)
 
 

@@ -19,8 +19,16 @@ from nightjar.actors.draft import DraftBuffers, DraftExecutor
 from nightjar.actors.verifier import Verifier
 from nightjar.actors.weights import DraftSlot
 from nightjar.kernel.messages import (
-    BlocksReserved, FinishReason, RequestAdmitted, RequestsPreempted, SamplingSpec, StepDrafted, StepScheduled,
-    StepTimed, StepVerified, TokensCommitted,
+    BlocksReserved,
+    FinishReason,
+    RequestAdmitted,
+    RequestsPreempted,
+    SamplingSpec,
+    StepDrafted,
+    StepScheduled,
+    StepTimed,
+    StepVerified,
+    TokensCommitted,
 )
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
@@ -120,10 +128,12 @@ class Rig:
                 g = greedy(self.target, self.tokens[rid], gamma + 1)
                 k = agreed(d, g)
                 drafts += d or [-1] * gamma
-                emitted.append(g[:k + 1]); accepted.append(k)
+                emitted.append(g[:k + 1])
+                accepted.append(k)
             else:
                 done = sched.prefill_done[row - sched.num_decode]
-                emitted.append(greedy(self.target, PROMPTS[rid], 1) if done else []); accepted.append(0)
+                emitted.append(greedy(self.target, PROMPTS[rid], 1) if done else [])
+                accepted.append(0)
         return drafts, emitted, accepted
 
     def commit(self, sched: StepScheduled, v: StepVerified, finish=()) -> TokensCommitted:

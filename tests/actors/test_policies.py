@@ -364,7 +364,8 @@ def test_list_policies_names_every_policy():
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_same_seed_gives_the_same_decision_sequence(spec):
-    sizes = lambda t: 1 + (t * 7) % 37
+    def sizes(t):
+        return 1 + (t * 7) % 37
     runs = [drive(make_policy(spec, seed=42), const(Env()), sizes, 600).gamma for _ in range(2)]
     assert runs[0] == runs[1]
 

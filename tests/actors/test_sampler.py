@@ -6,8 +6,15 @@ from __future__ import annotations
 import torch
 
 from nightjar.actors.sampler import (
-    _inverse_cdf, _sorted_probs, draw_uniforms, gumbel_noise, rejection_sample, sample_from, seeded_scores,
-    transform_logits, verify,
+    _inverse_cdf,
+    _sorted_probs,
+    draw_uniforms,
+    gumbel_noise,
+    rejection_sample,
+    sample_from,
+    seeded_scores,
+    transform_logits,
+    verify,
 )
 
 

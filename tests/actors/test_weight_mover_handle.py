@@ -3,7 +3,8 @@
 Covers the offload trigger (T_persist steps of low free blocks with speculation off), the reload trigger
 (free blocks above the draft plus τ_low plus headroom, nothing waiting), every state of
 RESIDENT -> OFFLOADING -> OFFLOADED -> SHRINKING -> RELOADING -> RESIDENT, failed copies, forced
-OffloadDraft/ReloadDraft, and what is ignored. Transfers are fed as TransferFinished messages, as replay does (transfer=None);
+OffloadDraft/ReloadDraft, and what is ignored. Transfers are fed as TransferFinished messages, as replay does
+(transfer=None);
 the last test runs the mover with a real DraftTransfer on a tiny model on a live loop.
 (tests/actors/test_weights.py covers the reload rule's arithmetic and the idle reload on a last finish.)
 """
@@ -18,9 +19,22 @@ from nightjar.actors.weights import DraftSlot, Triggers, WeightMover
 from nightjar.kernel.bus import Bus
 from nightjar.kernel.clock import VirtualClock
 from nightjar.kernel.messages import (
-    BlocksReserved, DraftOffloaded, DraftReloaded, DraftResidency, FinishReason, GrowPool, OffloadDraft,
-    PoolResized, ReloadDraft, RequestAdmitted, SamplingSpec, ShrinkPool, StepScheduled, StepVerified,
-    TokensCommitted, TransferFinished,
+    BlocksReserved,
+    DraftOffloaded,
+    DraftReloaded,
+    DraftResidency,
+    FinishReason,
+    GrowPool,
+    OffloadDraft,
+    PoolResized,
+    ReloadDraft,
+    RequestAdmitted,
+    SamplingSpec,
+    ShrinkPool,
+    StepScheduled,
+    StepVerified,
+    TokensCommitted,
+    TransferFinished,
 )
 from nightjar.kvpool.cache import KVCache
 from nightjar.transfer.weights import DraftTransfer
@@ -265,8 +279,8 @@ async def test_a_mover_with_a_real_transfer_releases_the_draft_after_the_copy_an
         assert m.handle(OffloadDraft(), 0.0) == [state("OFFLOADING")]
         off = await finished("offload")
         assert off.nbytes == m.host.nbytes >= nbytes + kv.numel() * 4 and off.duration_s > 0
-        assert m.handle(off, 0.0) == [DraftOffloaded(bytes_moved=off.nbytes, duration_s=off.duration_s,
-                                                     freed_blocks=DRAFT), state("OFFLOADED"), GrowPool(num_blocks=DRAFT)]
+        offloaded = DraftOffloaded(bytes_moved=off.nbytes, duration_s=off.duration_s, freed_blocks=DRAFT)
+        assert m.handle(off, 0.0) == [offloaded, state("OFFLOADED"), GrowPool(num_blocks=DRAFT)]
         assert all(p.numel() == 0 for p in model.parameters()) and cache.nbytes == 0      # released
         assert m.handle(ReloadDraft(), 0.0) == SHRINK
         assert m.handle(SHRUNK, 0.0) == [state("RELOADING")]

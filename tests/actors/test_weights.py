@@ -7,7 +7,12 @@ from nightjar.actors.control import triggers_of
 from nightjar.actors.weights import Triggers, WeightMover
 from nightjar.kernel.config import EngineConfig
 from nightjar.kernel.messages import (
-    DraftResidency, FinishReason, RequestAdmitted, SamplingSpec, ShrinkPool, TokensCommitted,
+    DraftResidency,
+    FinishReason,
+    RequestAdmitted,
+    SamplingSpec,
+    ShrinkPool,
+    TokensCommitted,
 )
 
 

@@ -3,6 +3,7 @@ the tiny random model (SmolLM2 tokenizer and chat template)."""
 from __future__ import annotations
 
 import pytest
+
 from tests.api.api_support import Server, start_server
 
 

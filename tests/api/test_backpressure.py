@@ -6,9 +6,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.api.api_support import MODEL, wait_until
-
 from nightjar.kernel.messages import AbortRequest, FinishReason
+from tests.api.api_support import MODEL, wait_until
 
 CHAT = "/v1/chat/completions"
 

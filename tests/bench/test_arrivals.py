@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from nightjar.bench.arrivals import (
-    Phase, Trace, closed_loop_plan, fingerprint, gamma_gaps, phase_arrivals, plan_arrivals, poisson_arrivals,
+    Phase,
+    Trace,
+    closed_loop_plan,
+    fingerprint,
+    gamma_gaps,
+    phase_arrivals,
+    plan_arrivals,
+    poisson_arrivals,
 )
 
 

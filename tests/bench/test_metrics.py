@@ -4,8 +4,16 @@ from __future__ import annotations
 import pytest
 
 from nightjar.bench.metrics import (
-    RequestResult, Sample, build_timeline, compute_metrics, parse_goodput, parse_metric_names, parse_percentiles,
-    parse_prometheus, pick_series, spec_summary,
+    RequestResult,
+    Sample,
+    build_timeline,
+    compute_metrics,
+    parse_goodput,
+    parse_metric_names,
+    parse_percentiles,
+    parse_prometheus,
+    pick_series,
+    spec_summary,
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from nightjar.kernel.bus import Envelope
-from nightjar.kernel.messages import StepPlanned, StepScheduled, SubmitRequest, SamplingSpec
+from nightjar.kernel.messages import SamplingSpec, StepPlanned, StepScheduled, SubmitRequest
 from nightjar.kernel.trace import SCHEMA_VERSION, TraceError, TraceReader, TraceWriter, part_path, read_trace
 
 

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 
 from nightjar.kvpool.blocks import BlockAllocator, KVPoolError
 
 try:
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 except ImportError:  # pragma: no cover - hypothesis is optional
     given = None
 

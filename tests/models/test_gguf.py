@@ -37,10 +37,15 @@ def gguf_name(hf: str) -> str:
 def write_gguf(path, hf_model, qtype=Q.F32):
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers); w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size); w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads); w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0); w.add_layer_norm_rms_eps(c.rms_norm_eps); w.add_vocab_size(c.vocab_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
     for name, t in hf_model.state_dict().items():
         a = t.float().numpy()
         if "q_proj" in name:
@@ -51,7 +56,10 @@ def write_gguf(path, hf_model, qtype=Q.F32):
             w.add_tensor(gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +111,10 @@ def test_k_quant_tensors_load_with_the_right_shape_and_values(tmp_path, qtype):
                 raw[r, base + 2: base + 4] = np.frombuffer(np.float16(0.02).tobytes(), np.uint8)
     w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=qtype)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     from nightjar.models.loader import dequantize_tensor
 
     t = gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors[0]

@@ -52,7 +52,9 @@ class Runner:
         chunks, starts, tables, rows = [], [], [], []
         for sid, (chunk, start) in seqs.items():
             self.alloc.reserve(sid, start + len(chunk))
-            chunks.append(chunk); starts.append(start); tables.append(self.alloc.block_table(sid))
+            chunks.append(chunk)
+            starts.append(start)
+            tables.append(self.alloc.block_table(sid))
             rows.append(logits_rows[sid])
         lay = build_layout(chunks, starts, tables, self.bs, rows)
         return self.model(lay, self.cache)

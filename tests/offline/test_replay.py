@@ -12,7 +12,8 @@ from nightjar.kernel.bus import Envelope
 from nightjar.kernel.messages import DraftResidency, StepPlanned, StepScheduled, StepTimed
 from nightjar.kernel.trace import TraceWriter
 from nightjar.models import LoadedModel
-from nightjar.offline.replay import full_replay, main as replay_main, replay_file
+from nightjar.offline.replay import full_replay, replay_file
+from nightjar.offline.replay import main as replay_main
 from nightjar.sampling import SamplingParams
 
 GOLDEN = sorted((Path(__file__).parent / "replay").glob("*.njtrace"))

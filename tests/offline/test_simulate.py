@@ -2,16 +2,16 @@
 simulated run's trace replays with zero divergence."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
+from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.kernel.messages import StepTimed
 from nightjar.offline.replay import replay_file
 from nightjar.offline.sim.executors import fit_acceptance
-from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.offline.sim.workload import make_workload, stress_rates
-from nightjar.offline.simulate import SimConfig, main as simulate_main, simulate
+from nightjar.offline.simulate import SimConfig, simulate
+from nightjar.offline.simulate import main as simulate_main
 
 
 @pytest.fixture(scope="module")

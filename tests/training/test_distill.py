@@ -6,9 +6,17 @@ import json
 import torch
 
 from nightjar.models import LoadedModel
-from nightjar.training.distill import collate, draft_config, init_draft, kd_loss, dense_forward, save_draft, \
-    teacher_topk, train
 from nightjar.models.loader import load_weights
+from nightjar.training.distill import (
+    collate,
+    dense_forward,
+    draft_config,
+    init_draft,
+    kd_loss,
+    save_draft,
+    teacher_topk,
+    train,
+)
 from tests.conftest import random_model, tiny_config
 
 

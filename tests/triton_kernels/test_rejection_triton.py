@@ -3,10 +3,12 @@ engine's torch sampler (actors/sampler.py) where the outcome is deterministic, a
 import pytest
 import torch
 
-from nightjar.triton_kernels import rejection_triton as rt
 from nightjar.actors.sampler import rejection_sample
+from nightjar.triton_kernels import rejection_triton as rt
 from nightjar.triton_kernels.rejection_triton import (
-    draw_noise, rejection_sample_noise_ref, rejection_sample_triton,
+    draw_noise,
+    rejection_sample_noise_ref,
+    rejection_sample_triton,
 )
 
 

@@ -10,10 +10,16 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from nightjar.kernel.messages import (
-    BlocksReserved, StepScheduled, StepTimed, StepVerified, SubmitRequest, TokensCommitted, TransferFinished,
-)
 from nightjar.actors.step_profile import Profile
+from nightjar.kernel.messages import (
+    BlocksReserved,
+    StepScheduled,
+    StepTimed,
+    StepVerified,
+    SubmitRequest,
+    TokensCommitted,
+    TransferFinished,
+)
 
 TOKEN = 5
 DEFAULT_ACCEPTANCE = (0.78, 0.74, 0.71, 0.68, 0.66, 0.64, 0.62, 0.60)

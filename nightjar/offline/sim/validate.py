@@ -78,8 +78,8 @@ def _trace_mean_gamma(trace: str) -> float:
 def run_sim(profile: Profile, wl: Workload, policy: str, trace: str, **cfg) -> Measured:
     from nightjar.kernel.messages import StepTimed
     from nightjar.kernel.trace import TraceReader
-    from nightjar.offline.simulate import SimConfig, simulate
     from nightjar.offline.sim.executors import fit_acceptance
+    from nightjar.offline.simulate import SimConfig, simulate
 
     c = SimConfig(**cfg)
     steps = [e.msg for e in TraceReader(trace, allow_schema_drift=True) if isinstance(e.msg, StepTimed)]
