@@ -63,6 +63,22 @@ def test_full_replay_reproduces_seeded_sampled_tokens_under_the_adaptive_policy(
     assert res.ok and res.exact >= 4, res.details     # 3 greedy + 1 seeded sampled request, all exact
 
 
+def test_the_golden_traces_are_here_and_cover_what_they_promise():
+    from nightjar.kernel.messages import CancelRequest, DraftOffloaded, DraftReloaded, RequestAdmitted
+    from nightjar.kernel.trace import TraceReader
+
+    assert GOLDEN, "no golden traces in tests/offline/replay (record them: tests/offline/replay/record_golden.py)"
+    seen = {}
+    for path in GOLDEN:
+        reader = TraceReader(str(path), allow_schema_drift=True)
+        seen[reader.header["config"]["policy"]] = [type(e.msg) for e in reader] + [
+            "sampled" for e in TraceReader(str(path), allow_schema_drift=True)
+            if isinstance(e.msg, RequestAdmitted) and e.msg.sampling.temperature > 0 and e.msg.sampling.seed is not None]
+    assert set(seen) == {"off", "fixed:2", "nightjar"}
+    assert DraftOffloaded in seen["nightjar"] and DraftReloaded in seen["nightjar"]
+    assert all(CancelRequest in kinds and "sampled" in kinds for kinds in seen.values())
+
+
 @pytest.mark.parametrize("golden", GOLDEN, ids=[p.name for p in GOLDEN])
 def test_golden_traces_replay_with_zero_divergence(golden):
     res = replay_file(str(golden), allow_schema_drift=True)
