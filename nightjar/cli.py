@@ -5,9 +5,11 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 
+from nightjar.actors.control import ControlBuildError
 from nightjar.config_check import check_config
 from nightjar.kernel.config import EngineConfig
 from nightjar.sampling import ConfigError
@@ -171,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Mistakes in a command's input (bad values, missing files, unbuildable settings) end in one line and exit 2;
+# NIGHTJAR_DEBUG=1 shows the traceback instead.
+USER_ERRORS = (ValueError, OSError, ControlBuildError)
+
 DELEGATED = {"distill": "nightjar.training.distill", "bench": "nightjar.bench.cli",
              "replay": "nightjar.offline.replay", "trace": "nightjar.offline.trace_summary",
              "simulate": "nightjar.offline.simulate", "profile": "nightjar.offline.profile"}
@@ -180,13 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:          # these parse their own flags (argparse would eat "--x")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return importlib.import_module(DELEGATED[argv[0]]).main(argv[1:]) or 0
+        try:
+            return importlib.import_module(DELEGATED[argv[0]]).main(argv[1:]) or 0
+        except USER_ERRORS as e:
+            if os.environ.get("NIGHTJAR_DEBUG"):
+                raise
+            print(f"nightjar {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     parser = build_parser()
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(a, "api_key", None) is None and a.cmd == "serve":
-        import os
         a.api_key = os.environ.get("NIGHTJAR_API_KEY")
     if getattr(a, "seed", None) is not None and a.cmd == "generate" and a.seed_sampling is None:
         a.seed_sampling = a.seed

@@ -74,3 +74,17 @@ def test_an_engine_with_a_bad_setting_fails_before_loading_anything():
     with pytest.raises(ConfigError, match="fixed:K needs") as e:
         asyncio.run(Engine(model="/no/such/model", policy="fixed:7").start())
     assert e.value.field == "policy"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["simulate", "--gpu", "a100", "--model-shape", "13b", "--policies", "fixed:9", "--num-requests", "20"],
+     "fixed:K needs 0 <= K <= gamma_max=4"),
+    (["simulate", "--gpu", "nosuch", "--model-shape", "13b"], "unknown GPU 'nosuch'"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2"], "cannot reach http://127.0.0.1:9"),
+    (["trace", "summary", "/no/such/trace.njtrace"], "No such file"),
+])
+def test_offline_subcommand_mistakes_exit_2_with_one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line or needle in line]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err

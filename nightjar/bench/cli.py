@@ -108,6 +108,8 @@ def options_from_args(a: argparse.Namespace, default_warmups: int = 0) -> BenchO
 
 
 def _first_model(base_url: str, api_key: str | None) -> str | None:
+    """The server's first model; a server that cannot be reached is a one-line error (ValueError)."""
+    import urllib.error
     import urllib.request
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -115,8 +117,10 @@ def _first_model(base_url: str, api_key: str | None) -> str | None:
         with urllib.request.urlopen(req, timeout=10) as r:
             data = json.loads(r.read())["data"]
             return data[0]["id"] if data else None
-    except Exception:
-        return None
+    except urllib.error.HTTPError:
+        return None                       # it answers (e.g. 401 without --api-key): let the run report it
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot reach {url} ({e}); start a server (nightjar serve) or pass --launch") from None
 
 
 def _emit(result: dict, a: argparse.Namespace, opts: BenchOptions) -> None:

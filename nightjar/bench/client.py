@@ -230,8 +230,9 @@ async def run_load(cfg: ClientConfig, requests: list[BenchRequest], plan: Arriva
         poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2))
         poller = MetricsPoller(poll_session, cfg, t0)
         if cfg.timeline_interval_s and cfg.timeline_interval_s > 0:
-            await poller.scrape()
-            poller.samples[-1].t = 0.0
+            first = await poller.scrape()
+            if first is not None:
+                first.t = 0.0
             t0 = time.perf_counter()
             poller.t0 = t0
             poller.start()
