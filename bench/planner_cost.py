@@ -17,8 +17,8 @@ from pathlib import Path
 
 from nightjar.actors.policies import PlannerState
 from nightjar.actors.policy_factory import make_policy
-from nightjar.offline.sim.planner_env import WEAK, PlannerEnv
 from nightjar.actors.step_profile import Profile
+from nightjar.offline.sim.planner_env import WEAK, PlannerEnv
 
 PROFILE = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data" / "profile_cpu_bf16.json"
 

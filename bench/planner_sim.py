@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 
 from nightjar.actors.policy_factory import make_policy
-from nightjar.offline.sim.planner_env import GOOD, WEAK, PlannerEnv, run_planner
 from nightjar.actors.step_profile import Profile, roofline_profile
+from nightjar.offline.sim.planner_env import GOOD, WEAK, PlannerEnv, run_planner
 from nightjar.offline.sim.workload import make_workload
 from nightjar.offline.simulate import SimConfig, Simulation
 
