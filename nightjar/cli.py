@@ -11,40 +11,9 @@ import time
 
 from nightjar.actors.control import ControlBuildError
 from nightjar.config_check import check_config
+from nightjar.engine_args import add_engine_args, engine_kwargs
 from nightjar.kernel.config import EngineConfig
 from nightjar.sampling import ConfigError
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()                       # the defaults live in one place: EngineConfig
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=d.model, help="registered name, .gguf file or HF checkpoint dir")
-    g.add_argument("--draft", default=d.draft, help='draft model: "default" (shipped), a path, or "none"')
-    g.add_argument("--policy", default=d.policy,
-                   help="speculation policy: nightjar, nightjar-nooffload, nightjar-paper, off, fixed:K, "
-                        "table:..., dsd, banditspec")
-    g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="largest number of draft tokens per step")
-    g.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
-    g.add_argument("--device", default=d.device, help="cpu or cuda")
-    g.add_argument("--device-memory", type=float, default=d.device_memory,
-                   help="memory budget for weights + KV: bytes (>1) or a fraction of the device (<=1)")
-    g.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV pool size in blocks (overrides the budget)")
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="context per request; capped by the KV pool with the draft resident (a warning says so)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests in flight before 429s")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--trace", default=d.trace, help="record every bus envelope to this file")
-
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    keys = ["model", "draft", "policy", "gamma_max", "dtype", "device", "device_memory", "num_blocks",
-            "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue", "seed"]
-    kw = {k: getattr(a, k) for k in keys}
-    kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
-    return kw
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -144,11 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _engine_args(s)
+    add_engine_args(s)
     _server_args(s)
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate once from a prompt (one user chat message unless --raw)")
-    _engine_args(g)
+    add_engine_args(g)
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -203,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         a.seed_sampling = a.seed
     try:
         if hasattr(a, "policy"):                 # engine flags: checked before any model loads
+            if a.planner_profile == "auto":
+                a.planner_profile = None         # checked first without it; the cached profile is measured below
+                check_config(EngineConfig(**engine_kwargs(a)))
+                from nightjar.offline.profile import cached_profile
+                a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size,
+                                                   log=lambda s: print(s, file=sys.stderr))
             check_config(EngineConfig(**engine_kwargs(a)))
         return a.func(a) or 0
     except ConfigError as e:

@@ -13,7 +13,7 @@ POSITIVE = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_toke
 
 def check_config(cfg: EngineConfig, models: bool = True) -> None:
     """Raise the first ConfigError of ``cfg``; ``models`` also checks that the model and draft exist."""
-    for check in (_numbers, _dtype_device, _policy) + ((_models,) if models else ()):
+    for check in (_numbers, _dtype_device, _policy, _planner_profile) + ((_models,) if models else ()):
         check(cfg)
 
 
@@ -54,6 +54,20 @@ def _policy(c: EngineConfig) -> None:
         make_policy(c.policy, c.gamma_max, c.seed)
     except ValueError as e:
         raise ConfigError("policy", str(e)) from None
+
+
+def _planner_profile(c: EngineConfig) -> None:
+    import json
+
+    from nightjar.actors.step_profile import Profile
+
+    if c.planner_profile is None:
+        return
+    try:
+        with open(c.planner_profile) as f:
+            Profile.from_json(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError("planner_profile", f"not a `nightjar profile` JSON file: {e}") from None
 
 
 def _models(c: EngineConfig) -> None:

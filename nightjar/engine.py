@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -139,6 +140,14 @@ def plan_memory(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | Non
     return MemoryPlan(budget, target.model.weight_bytes(), dbytes, d_blocks * d_block_bytes, block, int(n), d_blocks)
 
 
+def read_planner_profile(path: str | None) -> dict | None:
+    """The planner's step-time model from a ``nightjar profile`` JSON file (as the trace header records it)."""
+    if path is None:
+        return None
+    with open(path) as f:
+        return {"profile": json.load(f), "scale": 1.0}
+
+
 _DEFAULTS = EngineConfig()         # Engine's positional defaults are EngineConfig's
 
 
@@ -168,6 +177,7 @@ class Engine:
     def _build(self) -> None:
         c = self.config
         check_config(c, models=self._loaded is None)
+        self._planner_profile = read_planner_profile(c.planner_profile)
         self.target, self.draft = self._load()
         self.tokenizer = self.target.tokenizer
         self.memory = plan_memory(c, self.target, self.draft)
@@ -264,7 +274,7 @@ class Engine:
         return ControlSpec(config=self.config, vocab_size=tc.vocab_size, num_blocks=m.num_blocks,
                            eos_token_ids=tuple(tc.eos_token_ids), max_position=tc.max_position,
                            draft=str(self.draft.source) if self.draft else None, draft_bytes=m.draft_footprint,
-                           draft_blocks=m.draft_footprint // m.block_bytes)
+                           draft_blocks=m.draft_footprint // m.block_bytes, planner_profile=self._planner_profile)
 
     def trace_header(self) -> dict:
         """What a trace needs to re-drive the control plane (the ControlSpec) plus model identities."""

@@ -183,21 +183,21 @@ class InProcessServer:
 
 
 def engine_factory_from_args(server_args: list[str] | str, policy: str, model: str | None = None):
-    """An Engine factory from ``nightjar serve``-style engine flags (parsed by ``nightjar.cli``'s own parser)."""
+    """An Engine factory from `nightjar serve`-style engine flags (parsed as the CLI parses them)."""
     import argparse
 
-    from nightjar import cli
+    from nightjar import engine_args
 
     args = shlex.split(server_args) if isinstance(server_args, str) else list(server_args)
     p = argparse.ArgumentParser(prog="--server-args", add_help=False)
-    cli._engine_args(p)
+    engine_args.add_engine_args(p)
     p.add_argument("--host")
     p.add_argument("--port")
     a = p.parse_args(args)
     a.policy = policy
     if model:
         a.model = model
-    kw = cli.engine_kwargs(a)
+    kw = engine_args.engine_kwargs(a)
 
     def make():
         from nightjar.engine import Engine

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import os
+import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -160,6 +164,34 @@ def build_profile(target, draft, *, name: str, block_size: int = 16, ctx: int = 
                    draft_blocks=draft_blocks, step_overhead_s=overhead_s,
                    meta={"ctx": ctx, "step_overhead_s": overhead_s, "torch": torch.__version__,
                          "threads": torch.get_num_threads(), "quick": quick, "measured": time.time()})
+
+
+def cache_path(model: str, draft: str | None, dtype: str) -> Path:
+    """Where the planner profile of this model, draft and dtype on this machine is cached
+    (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``)."""
+    root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
+    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}"
+    key = hashlib.sha256(f"{model}|{draft}|{dtype}|{machine}".encode()).hexdigest()[:16]
+    return root / f"{Path(str(model)).stem}-{dtype}-{key}.json"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def cached_profile(model: str, draft: str | None, dtype: str, block_size: int = 16, log=print) -> str:
+    """The cached profile's path, measured first (``--quick``, no engine run) when there is none."""
+    path = cache_path(model, draft, dtype)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log(f"no planner profile for {model} ({dtype}) on this machine: measuring one into {path}")
+        main(["--model", str(model), "--draft", str(draft or "none"), "--dtype", dtype,
+              "--block-size", str(block_size), "--quick", "--no-engine", "--out", str(path)])
+    return str(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

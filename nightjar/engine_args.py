@@ -1,0 +1,44 @@
+"""The engine's command-line flags, shared by ``nightjar serve``/``generate`` and the bench harness's
+``--server-args``; every default comes from EngineConfig."""
+from __future__ import annotations
+
+import argparse
+
+from nightjar.kernel.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()                       # the defaults live in one place: EngineConfig
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="registered name, .gguf file or HF checkpoint dir")
+    g.add_argument("--draft", default=d.draft, help='draft model: "default" (shipped), a path, or "none"')
+    g.add_argument("--policy", default=d.policy,
+                   help="speculation policy: nightjar, nightjar-nooffload, nightjar-paper, off, fixed:K, "
+                        "table:..., dsd, banditspec")
+    g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="largest number of draft tokens per step")
+    g.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--device", default=d.device, help="cpu or cuda")
+    g.add_argument("--device-memory", type=float, default=d.device_memory,
+                   help="memory budget for weights + KV: bytes (>1) or a fraction of the device (<=1)")
+    g.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV pool size in blocks (overrides the budget)")
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context per request; capped by the KV pool with the draft resident (a warning says so)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests in flight before 429s")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--planner-profile", default=d.planner_profile, metavar="FILE|auto",
+                   help="step-time profile for the planner: a `nightjar profile` JSON, or 'auto' for this model, "
+                        "dtype and machine's cached one (measured once, about a minute, when absent); default: "
+                        "the planner's generic prior, calibrated online")
+    g.add_argument("--trace", default=d.trace, help="record every bus envelope to this file")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    keys = ["model", "draft", "policy", "gamma_max", "dtype", "device", "device_memory", "num_blocks",
+            "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue", "seed",
+            "planner_profile"]
+    kw = {k: getattr(a, k) for k in keys}
+    kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
+    return kw

@@ -1,0 +1,80 @@
+"""The serving engine's planner can take a measured step-time profile (--planner-profile FILE|auto)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from nightjar.actors.step_profile import roofline_profile
+from nightjar.sampling import ConfigError, SamplingParams
+from tests.test_engine import prompts_of_mixed_length, run_all
+
+
+def test_an_engine_given_a_profile_plans_with_it_and_stays_greedy_exact(make_engine, smol_tokenizer, tmp_path):
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps(roofline_profile("a100", "13b").to_json()))
+    prompts = prompts_of_mixed_length(smol_tokenizer, 6)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    async def run(policy, **kw):
+        async with make_engine(policy, **kw) as eng:
+            out = await run_all(eng, prompts, params)
+            return out, eng
+
+    ref, _ = asyncio.run(run("off"))
+    got, eng = asyncio.run(run("nightjar", planner_profile=str(path)))
+    assert got == ref
+    assert eng.planner.policy.profile is not None and eng.planner.policy.profile.name == "roofline:a100:13b"
+    assert eng.trace_header()["planner_profile"]["profile"]["name"] == "roofline:a100:13b"
+    _, plain = asyncio.run(run("nightjar"))
+    assert plain.planner.policy.profile is None and "planner_profile" not in plain.trace_header()
+
+
+def test_a_bad_profile_file_is_a_config_error(make_engine, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path in (str(bad), str(tmp_path / "missing.json")):
+        with pytest.raises(ConfigError) as e:
+            asyncio.run(make_engine("nightjar", planner_profile=path).start())
+        assert e.value.field == "planner_profile"
+
+
+def test_the_auto_profile_is_measured_once_per_model_dtype_and_machine(monkeypatch, tmp_path):
+    from nightjar.offline import profile as prof
+
+    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
+    runs = []
+
+    def fake_main(argv):                       # the real measurement takes about a minute
+        runs.append(argv)
+        out = argv[argv.index("--out") + 1]
+        with open(out, "w") as f:
+            json.dump(roofline_profile("a100", "13b").to_json(), f)
+        return 0
+    monkeypatch.setattr(prof, "main", fake_main)
+    a = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
+    b = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
+    c = prof.cached_profile("smollm2-135m", "default", "float32", log=lambda s: None)
+    assert a == b != c and len(runs) == 2 and a.startswith(str(tmp_path))
+    assert "--quick" in runs[0] and runs[0][runs[0].index("--dtype") + 1] == "bfloat16"
+
+
+def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_path, capsys, smollm2_path):
+    from nightjar.cli import main
+    from nightjar.offline import profile as prof
+
+    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_main(argv):
+        measured.append(argv)
+        with open(argv[argv.index("--out") + 1], "w") as f:
+            json.dump(roofline_profile("a100", "13b").to_json(), f)
+        return 0
+    monkeypatch.setattr(prof, "main", fake_main)
+    args = ["generate", "hi", "--planner-profile", "auto", "--policy", "off", "--draft", "none",
+            "--dtype", "float32", "--max-tokens", "2", "--json"]
+    assert main(args) == 0 and main(args) == 0
+    assert len(measured) == 1                                   # cached after the first start
+    assert "measuring one into" in capsys.readouterr().err
