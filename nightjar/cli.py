@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Mistakes in a command's input (bad values, missing files, unbuildable settings) end in one line and exit 2;
 # NIGHTJAR_DEBUG=1 shows the traceback instead.
-USER_ERRORS = (ValueError, OSError, ControlBuildError)
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+               ControlBuildError)
 
 DELEGATED = {"distill": "nightjar.training.distill", "bench": "nightjar.bench.cli",
              "replay": "nightjar.offline.replay", "trace": "nightjar.offline.trace_summary",
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.planner_profile = None         # checked first without it; the cached profile is measured below
                 check_config(EngineConfig(**engine_kwargs(a)))
                 from nightjar.offline.profile import cached_profile
-                a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size,
+                a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size, a.device,
                                                    log=lambda s: print(s, file=sys.stderr))
             check_config(EngineConfig(**engine_kwargs(a)))
         return a.func(a) or 0

@@ -69,6 +69,7 @@ class Collector(Actor):
     def __init__(self) -> None:
         super().__init__()
         self.queues: dict[int, asyncio.Queue] = {}
+        self.live: set[int] = set()        # ids submitted and not yet finished or rejected by the engine
         self.stats = EngineStats()
 
     def handle(self, msg, now):
@@ -76,11 +77,14 @@ class Collector(Actor):
             case TokensCommitted():
                 pos = 0
                 for rid, n, fin, npr in itertools.zip_longest(msg.req_ids, msg.counts, msg.finish, msg.num_prompt):
+                    if fin:
+                        self.live.discard(rid)
                     q = self.queues.get(rid)
                     if q is not None:
                         q.put_nowait((list(msg.tokens[pos: pos + n]), FinishReason(fin), npr or 0))
                     pos += n
             case RequestRejected():
+                self.live.discard(msg.req_id)
                 q = self.queues.get(msg.req_id)
                 if q is not None:
                     q.put_nowait(RequestError(msg.message, msg.status))
@@ -339,10 +343,11 @@ class Engine:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         rid = next(self._ids) if request_id is None else request_id
-        if rid in self.collector.queues:
+        if rid in self.collector.live:
             raise RequestError(f"request id {rid} is already in flight", status=400)
         q: asyncio.Queue = asyncio.Queue()
         self.collector.queues[rid] = q
+        self.collector.live.add(rid)
         try:
             self.bus.publish("client", [SubmitRequest(req_id=rid, prompt_ids=tuple(ids), sampling=params.to_spec(),
                                                       speculate=speculate)])

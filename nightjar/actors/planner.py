@@ -84,6 +84,7 @@ class Planner(Actor):
         if s.num_decode == 0 or not any(s.speculate):
             return 0            # prefill-only steps skip the planner
         if not self.resident:
+            self.pending = (0, 0)       # prompts drafted in the catch-up after a reload, not as steady charge
             return 0
         (new_tok, new_n), self.pending = self.pending, (0, 0)
         gen, pr = self._lags(s) if s.max_draft_lag >= 2 else (0, 0)

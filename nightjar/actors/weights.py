@@ -35,6 +35,7 @@ from nightjar.kernel.messages import (
 )
 
 log = logging.getLogger(__name__)
+MAX_COPY_FAILURES = 3
 
 
 @dataclass
@@ -91,6 +92,7 @@ class WeightMover(Actor):
         self.num_offloads = self.num_reloads = 0
         self.reload_forced = False       # a ReloadDraft command retries every step until the pool shrinks
         self.live: set[int] = set()      # requests admitted and not finished: none left -> reload at once
+        self.copy_failures = 0           # failed transfers in a row (MAX_COPY_FAILURES turns elastic memory off)
 
     def on_start(self, now):
         return [DraftResidency(resident=self.slot is not None, state=self.state)]
@@ -166,6 +168,10 @@ class WeightMover(Actor):
         """A copy raised. Offload: nothing was released yet, so the draft stays resident. Reload: the host
         copy is intact, so the draft stays offloaded and the pool grows back into its blocks."""
         log.error("draft %s failed after %.3f s: %s", msg.kind, msg.duration_s, msg.error)
+        self.copy_failures += 1
+        if self.copy_failures >= MAX_COPY_FAILURES and self.elastic:
+            self.elastic = False                 # no retry loop: the triggers stop; commands still work
+            log.error("elastic draft memory is off after %d failed copies in a row", self.copy_failures)
         if msg.kind == "offload" and self.state == "OFFLOADING":
             self.state, self.offload_done = "RESIDENT", False
             return [DraftResidency(resident=True, state=self.state)]
@@ -177,6 +183,7 @@ class WeightMover(Actor):
     def _transfer_finished(self, msg: TransferFinished):
         if msg.error:
             return self._transfer_failed(msg)
+        self.copy_failures = 0
         if msg.kind == "offload" and self.state == "OFFLOADING":
             self.offload_done, self.offload_info = True, msg
             return self._finish_offload() if self.gamma_inflight == 0 else None

@@ -11,6 +11,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger("nightjar.api")
 
@@ -26,7 +27,7 @@ def malloc_trim():
 def rss_mib() -> float | None:
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 2**20
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return None
 

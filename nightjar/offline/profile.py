@@ -52,6 +52,8 @@ class _Bench:
     def forward(self, b: int, q: int, start: int | None = None) -> None:
         start = self.ctx if start is None else start
         run_chunks(self.model, self.cache, self.bs, [[5] * q] * b, [start] * b, self.tables[:b], [q] * b)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()               # time the kernels, not their launch
 
 
 def _stat(ts: list[float]) -> float:
@@ -166,11 +168,12 @@ def build_profile(target, draft, *, name: str, block_size: int = 16, ctx: int = 
                          "threads": torch.get_num_threads(), "quick": quick, "measured": time.time()})
 
 
-def cache_path(model: str, draft: str | None, dtype: str) -> Path:
-    """Where the planner profile of this model, draft and dtype on this machine is cached
+def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu") -> Path:
+    """Where the planner profile of this model, draft, dtype and device on this machine is cached
     (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``)."""
     root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
-    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}"
+    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
+    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}"
     key = hashlib.sha256(f"{model}|{draft}|{dtype}|{machine}".encode()).hexdigest()[:16]
     return root / f"{Path(str(model)).stem}-{dtype}-{key}.json"
 
@@ -183,13 +186,14 @@ def _cpu_name() -> str:
         return ""
 
 
-def cached_profile(model: str, draft: str | None, dtype: str, block_size: int = 16, log=print) -> str:
+def cached_profile(model: str, draft: str | None, dtype: str, block_size: int = 16, device: str = "cpu",
+                   log=print) -> str:
     """The cached profile's path, measured first (``--quick``, no engine run) when there is none."""
-    path = cache_path(model, draft, dtype)
+    path = cache_path(model, draft, dtype, device)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        log(f"no planner profile for {model} ({dtype}) on this machine: measuring one into {path}")
-        main(["--model", str(model), "--draft", str(draft or "none"), "--dtype", dtype,
+        log(f"no planner profile for {model} ({dtype}, {device}) on this machine: measuring one into {path}")
+        main(["--model", str(model), "--draft", str(draft or "none"), "--dtype", dtype, "--device", device,
               "--block-size", str(block_size), "--quick", "--no-engine", "--out", str(path)])
     return str(path)
 
@@ -200,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default="default")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ctx", type=int, default=256, help="context length of the measured decode rows")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV pool size recorded for the simulator")
@@ -215,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     from nightjar.kernel.config import EngineConfig
     from nightjar.models import load_draft, load_model
 
-    target = load_model(a.model, a.dtype)
-    draft = load_draft(a.draft, target.config, a.dtype) if a.draft not in ("none", "") else None
+    target = load_model(a.model, a.dtype, a.device)
+    draft = load_draft(a.draft, target.config, a.dtype, a.device) if a.draft not in ("none", "") else None
     cfg = EngineConfig(model=a.model, draft=a.draft, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks)
     mem = plan_memory(cfg, target, draft)
     overhead = 0.0

@@ -13,6 +13,12 @@ import os
 
 import torch
 
+# Without CUDA, Triton kernels can only run under its interpreter (tests, CPU tensors), and
+# TRITON_INTERPRET is read when triton is first imported: this package's init runs before any kernel
+# module imports triton. An explicit TRITON_INTERPRET=0 is respected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @functools.cache
 def _cuda() -> bool:

@@ -7,10 +7,9 @@ pairs is ``[P, 2]`` int (src, dst). Copies run in parallel, so no dst may also b
 from __future__ import annotations
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
 from nightjar.triton_kernels.kv_store import _BITS
 
 

@@ -7,10 +7,8 @@ dtype-agnostic and immune to the interpreter's bf16 bug.
 from __future__ import annotations
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
+import triton
+import triton.language as tl
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import os
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
+import triton
+import triton.language as tl
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -18,10 +18,8 @@ walks the drafts and writes tokens ``[B, G+1]`` (-1 padded) and accepted counts 
 from __future__ import annotations
 
 import torch
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from nightjar.triton_kernels import _interp  # noqa: F401  (must precede `import triton`)
+import triton
+import triton.language as tl
 
 
 def draw_noise(gens: list[torch.Generator | None], random_rows: list[bool], G: int, V: int,

@@ -35,3 +35,14 @@ def test_step_timings_reach_the_policy():
                        num_drafts=2), 0.0)
     assert p.prev_gamma == 2
     assert p.policy.snapshot()
+
+
+def test_prompts_prefilled_while_the_draft_is_away_are_not_charged_after_it_returns():
+    p = Planner("nightjar", gamma_max=4, seed=0, has_draft=True)
+    mixed = StepScheduled(step=1, req_ids=(0, 1), starts=(5, 0), chunk_ids=((1,), (2,) * 30), num_decode=1,
+                          draft_computed=(5,), speculate=(True,), prefill_done=(True,))
+    p.handle(mixed, 0.0)
+    assert p.pending == (0, 0)                     # a resident step hands the new prompt to the policy
+    p.handle(DraftResidency(resident=False, state="OFFLOADED"), 0.0)
+    p.handle(mixed, 0.0)
+    assert p.pending == (0, 0)                     # offloaded: dropped, not saved for the first resident step

@@ -78,3 +78,16 @@ def test_a_waiting_request_triggers_the_offload_only_with_offload_on_queue():
         assert t.wants_offload(0, free=5, total=100, waiting=0)         # below τ_low: both
         assert not t.wants_offload(2, free=5, total=100, waiting=3)     # never while speculating
         assert not t.wants_offload(0, free=50, total=100, waiting=0)
+
+
+def test_repeated_copy_failures_turn_elastic_memory_off_instead_of_retrying_forever():
+    from nightjar.actors.control import StubSlot
+    from nightjar.actors.weights import MAX_COPY_FAILURES
+    from nightjar.kernel.messages import OffloadDraft, TransferFinished
+
+    m = WeightMover(StubSlot(4096), Triggers(draft_blocks=10), elastic=True)
+    failed = TransferFinished(kind="offload", nbytes=0, duration_s=0.0, error="MemoryError: no host memory")
+    for i in range(MAX_COPY_FAILURES):
+        assert m.handle(OffloadDraft(), 0.0) == [DraftResidency(resident=False, state="OFFLOADING")]
+        assert m.handle(failed, 0.0) == [DraftResidency(resident=True, state="RESIDENT")]
+        assert m.elastic == (i < MAX_COPY_FAILURES - 1)

@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET is read when a function is decorated (triton's own tl.zeros etc. at
 ``import triton``), so it must be set before triton is first imported in the process. The
-kernel modules set it themselves (nightjar/triton_kernels/_interp.py); this is the same guard for
+kernel package sets it itself (nightjar/triton_kernels/__init__.py); this is the same guard for
 runs that import triton some other way first.
 """
 import os
