@@ -12,7 +12,7 @@
   best static; median and minimum of the per-seed ratios), over the whole run and over the time
   nightjar needed for its first 200 decode steps.
 * closed-noprofile -- the same closed loop with ``nightjar`` given no profile (the generic prior the
-  serving engine runs today).
+  serving engine runs without --planner-profile).
 * phased -- A100-13B roofline (its own 40 GB device-memory plan: 551 KV blocks, the draft worth 211),
   phased Poisson arrivals 2 -> 20 -> 2 req/s (30 s each), good draft, 3 workload seeds: output
   throughput and mean E2E per policy, and ratios against the best fixed γ (by throughput).
