@@ -82,6 +82,7 @@ def test_an_engine_with_a_bad_setting_fails_before_loading_anything():
     (["simulate", "--gpu", "nosuch", "--model-shape", "13b"], "unknown GPU 'nosuch'"),
     (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2"], "cannot reach http://127.0.0.1:9"),
     (["trace", "summary", "/no/such/trace.njtrace"], "No such file"),
+    (["profile", "--quick", "--out", "/no/such/dir/p.json"], "--out /no/such/dir/p.json: no such directory"),
 ])
 def test_offline_subcommand_mistakes_exit_2_with_one_line(capsys, argv, needle):
     assert main(argv) == 2

@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if not Path(a.out).resolve().parent.is_dir():
+        raise FileNotFoundError(f"--out {a.out}: no such directory")    # before a minute of measuring
     from nightjar.engine import Engine, plan_memory
     from nightjar.kernel.config import EngineConfig
     from nightjar.models import load_draft, load_model
