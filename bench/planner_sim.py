@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -30,24 +29,21 @@ from pathlib import Path
 
 from nightjar.actors.policy_factory import make_policy
 from nightjar.actors.step_profile import Profile, roofline_profile
-from nightjar.offline.sim.planner_env import GOOD, WEAK, PlannerEnv, run_planner
+from nightjar.offline.sim.planner_env import (
+    ACCEPTANCE_VECTORS,
+    GOOD,
+    WEAK,
+    PlannerEnv,
+    batch_schedule,
+    run_planner,
+)
 from nightjar.offline.sim.workload import make_workload
 from nightjar.offline.simulate import SimConfig, Simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = Profile.load(str(ROOT / "tests" / "actors" / "data" / "profile_cpu_bf16.json"))
 A100 = roofline_profile("a100", "13b")
-ACCS = [WEAK, (0.5,) * 4, (0.6,) * 4, (0.7, 0.7, 0.65, 0.6), GOOD]
 STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
-
-
-def sizes(seed: int, steps: int) -> list[int]:
-    rng, out, b = random.Random(seed), [], 1
-    for t in range(steps):
-        if t % 50 == 0:
-            b = rng.choice([1, 2, 3, 5, 8, 12, 16, 24, 32, 48, 64])
-        out.append(max(1, min(64, b + rng.randint(-1, 1))))
-    return out
 
 
 def regret(seeds: int) -> list[dict]:
@@ -56,14 +52,14 @@ def regret(seeds: int) -> list[dict]:
     print("| profile | acceptance | policy | regret 0-200 max / mean | regret 200-600 max / mean |")
     print("|---|---|---|---|---|")
     for pname, prof in (("cpu", CPU), ("a100-13b", A100)):
-        for acc in ACCS:
+        for acc in ACCEPTANCE_VECTORS:
             env = PlannerEnv(prof, acc)
             for spec in ("nightjar", "nightjar-paper", "dsd", "banditspec"):
                 a, b = [], []
                 for seed in range(seeds):
                     opts = {"profile": prof} if spec == "nightjar" else {}
                     pol = make_policy(spec, gamma_max=4, seed=seed, **opts)
-                    s = sizes(seed, 600)
+                    s = batch_schedule(seed, 600)
                     run = run_planner(pol, lambda t: env, s.__getitem__, 600, seed)
                     a.append(run.regret(0, 200))
                     b.append(run.regret(200, 600))

@@ -6,7 +6,7 @@ import asyncio
 
 from nightjar.kernel.messages import DraftResidency, OffloadDraft, PoolResized, ReloadDraft
 from nightjar.sampling import SamplingParams
-from tests.test_engine import assert_pool_clean, pool_settled, prompts_of_mixed_length, run_all
+from tests.test_engine import assert_pool_clean, generate_with, pool_settled, prompts_of_mixed_length, run_all
 
 
 async def wait_state(eng, state, timeout=10.0):
@@ -49,10 +49,6 @@ def test_forced_offload_and_reload_cycles_keep_greedy_tokens_and_move_exact_byte
     prompts = prompts_of_mixed_length(smol_tokenizer, 10)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
 
-    async def reference():
-        async with make_engine("off") as eng:
-            return await run_all(eng, prompts, params)
-
     async def cycled():
         async with make_engine("fixed:3", num_blocks=64, block_size=8, max_num_seqs=3) as eng:
             resized = events_of(eng, (PoolResized,))
@@ -85,7 +81,7 @@ def test_forced_offload_and_reload_cycles_keep_greedy_tokens_and_move_exact_byte
             await pool_settled(eng)
             assert_pool_clean(eng)
             return out
-    assert asyncio.run(cycled()) == asyncio.run(reference())
+    assert asyncio.run(cycled()) == generate_with(make_engine, "off", prompts, params)[0]
 
 
 def test_the_event_loop_keeps_serving_while_a_transfer_is_in_flight(make_engine, smol_tokenizer):
@@ -120,10 +116,6 @@ def test_memory_pressure_offloads_and_low_load_reloads_automatically(make_engine
     prompts = prompts_of_mixed_length(smol_tokenizer, 14)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
 
-    async def reference():
-        async with make_engine("off") as eng:
-            return await run_all(eng, prompts, params, stagger=0)
-
     async def elastic():
         async with make_engine("fixed:0", elastic_memory=True, num_blocks=40, block_size=8, max_num_seqs=4,
                                max_num_batched_tokens=64, persist_steps=2) as eng:
@@ -144,7 +136,7 @@ def test_memory_pressure_offloads_and_low_load_reloads_automatically(make_engine
             assert eng.allocator.num_total == 40
             return out, tail
     out, _ = asyncio.run(elastic())
-    assert out == asyncio.run(reference())
+    assert out == generate_with(make_engine, "off", prompts, params)[0]
 
 
 def test_the_draft_comes_back_after_a_burst_with_a_tiny_pool_and_default_limits(make_engine, smol_tokenizer):
@@ -155,10 +147,6 @@ def test_the_draft_comes_back_after_a_burst_with_a_tiny_pool_and_default_limits(
 
     prompts = prompts_of_mixed_length(smol_tokenizer, 14)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-
-    async def reference():
-        async with make_engine("off") as eng:
-            return await run_all(eng, prompts, params, stagger=0)
 
     async def elastic():
         async with make_engine("fixed:0", elastic_memory=True, num_blocks=24) as eng:
@@ -177,7 +165,7 @@ def test_the_draft_comes_back_after_a_burst_with_a_tiny_pool_and_default_limits(
             assert_pool_clean(eng)
             assert eng.device_bytes()["draft_weights"] > 0
             return out
-    assert asyncio.run(elastic()) == asyncio.run(reference())
+    assert asyncio.run(elastic()) == generate_with(make_engine, "off", prompts, params)[0]
 
 
 def test_a_prompt_longer_than_the_base_pool_gets_a_400_naming_the_advertised_context(make_engine, smol_tokenizer):

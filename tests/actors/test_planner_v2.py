@@ -21,25 +21,22 @@ from nightjar.actors.policy_factory import make_policy
 from nightjar.actors.policy_model import AcceptanceModel
 from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.kernel.messages import BlocksReserved, StepScheduled
-from nightjar.offline.sim.planner_env import GOOD, WEAK, PlannerEnv, run_planner
+from nightjar.offline.sim.planner_env import (
+    ACCEPTANCE_VECTORS,
+    GOOD,
+    WEAK,
+    PlannerEnv,
+    batch_schedule,
+    run_planner,
+)
 from nightjar.offline.sim.workload import make_workload
 from nightjar.offline.simulate import SimConfig, Simulation
 from tests.actors.test_policies import timed
 
 CPU = Profile.load(str(Path(__file__).parent / "data" / "profile_cpu_bf16.json"))
 A100 = roofline_profile("a100", "13b")
-ACCEPTANCE = [WEAK, (0.5,) * 4, (0.6,) * 4, (0.7, 0.7, 0.65, 0.6), GOOD]
+ACCEPTANCE = ACCEPTANCE_VECTORS
 SEEDS = range(10)
-
-
-def batch_schedule(seed: int, steps: int) -> list[int]:
-    """B changes every 50 steps across 1..64 (±1 jitter inside a phase)."""
-    rng, out, b = random.Random(seed), [], 1
-    for t in range(steps):
-        if t % 50 == 0:
-            b = rng.choice([1, 2, 3, 5, 8, 12, 16, 24, 32, 48, 64])
-        out.append(max(1, min(64, b + rng.randint(-1, 1))))
-    return out
 
 
 def nightjar(profile, seed=0, **kw):

@@ -17,6 +17,17 @@ from nightjar.kernel.messages import StepTimed
 
 WEAK = (0.38, 0.39, 0.49, 0.53)       # the shipped CPU draft's conditional rates (docs/benchmarks.md)
 GOOD = (0.80, 0.76, 0.72, 0.70)
+ACCEPTANCE_VECTORS = [WEAK, (0.5,) * 4, (0.6,) * 4, (0.7, 0.7, 0.65, 0.6), GOOD]   # weak to good drafts
+
+
+def batch_schedule(seed: int, steps: int) -> list[int]:
+    """B changes every 50 steps across 1..64 (±1 jitter inside a phase)."""
+    rng, out, b = random.Random(seed), [], 1
+    for t in range(steps):
+        if t % 50 == 0:
+            b = rng.choice([1, 2, 3, 5, 8, 12, 16, 24, 32, 48, 64])
+        out.append(max(1, min(64, b + rng.randint(-1, 1))))
+    return out
 
 
 def expected_tokens_pos(acc: tuple[float, ...], g: int) -> float:
