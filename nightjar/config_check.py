@@ -45,6 +45,8 @@ def _dtype_device(c: EngineConfig) -> None:
         raise ConfigError("device", f"'cpu' or 'cuda[:N]', got {c.device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", "cuda was asked for but this machine has no CUDA device")
+    if not isinstance(c.enforce_eager, bool):
+        raise ConfigError("enforce_eager", f"must be true or false, got {c.enforce_eager!r}")
 
 
 def _policy(c: EngineConfig) -> None:

@@ -34,6 +34,7 @@ from nightjar.kernel.messages import (
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import LoadedModel, load_draft, load_model
+from nightjar.models.cuda_graph import attach_graphs, detach_graphs
 from nightjar.sampling import EngineError, RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger("nightjar")
@@ -211,6 +212,7 @@ class Engine:
         kv.cache, self.allocator = self.cache, kv.alloc
         slot = self._draft_slot()
         self.weights.slot = slot
+        self._attach_graphs(slot)
         buffers = DraftBuffers()
         actors = [built["admission"], self.batcher, self.planner, kv, self.weights,
                   Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed, c.synthetic_acceptance)]
@@ -218,6 +220,17 @@ class Engine:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
         return actors
+
+    def _attach_graphs(self, slot: DraftSlot | None) -> None:
+        """CUDA graphs for the target's and the draft's short steps (models/cuda_graph.py) unless
+        enforce_eager; attach_graphs leaves a model eager off CUDA or off its Triton path."""
+        models = [(self.target.model, self.cache)] + ([(slot.model, slot.cache)] if slot else [])
+        c = self.config
+        for model, cache in models:
+            detach_graphs(model)
+            if not c.enforce_eager:
+                attach_graphs(model, cache, max_batch=c.max_num_seqs, max_q=c.gamma_max + 1,
+                              max_model_len=self.max_model_len)
 
     @property
     def max_model_len(self) -> int:
@@ -312,6 +325,9 @@ class Engine:
         if self.weights.transfer is not None:
             self.weights.transfer.shutdown()
             self.weights.restore_now()
+        for loaded in (self.target, self.draft):
+            if loaded is not None:
+                detach_graphs(loaded.model)      # frees the graphs' memory; the models may serve another engine
         if self.tracer is not None:
             self.bus.remove_tap(self.tracer.write)
             self.tracer.close(handled={a.name: a.last_seq for a in self.actors})

@@ -32,13 +32,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="step-time profile for the planner: a `nightjar profile` JSON, or 'auto' for this model, "
                         "dtype and machine's cached one (measured once, about a minute, when absent); default: "
                         "the planner's generic prior, calibrated online")
+    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                   help="CUDA: run every step eagerly (no CUDA graphs for decode/verify steps); CPU is always eager")
     g.add_argument("--trace", default=d.trace, help="record every bus envelope to this file")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ["model", "draft", "policy", "gamma_max", "dtype", "device", "device_memory", "num_blocks",
             "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue", "seed",
-            "planner_profile"]
+            "planner_profile", "enforce_eager"]
     kw = {k: getattr(a, k) for k in keys}
     kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
     return kw

@@ -8,6 +8,7 @@ import torch
 from nightjar.actors.sampler import gumbel_noise, seeded_scores
 from nightjar.kernel.messages import RequestAdmitted, SamplingSpec, TokensCommitted
 from nightjar.kernel.seeds import derive_seed, request_seed
+from nightjar.models.cuda_graph import graph_forward
 from nightjar.models.llama import build_layout
 
 
@@ -82,7 +83,11 @@ class RequestMirrors:
 
 def run_chunks(model, cache, block_size: int, chunks: list[list[int]], starts: list[int],
                tables: list[tuple[int, ...]], logits_rows: list[int]) -> torch.Tensor:
-    """One batched forward of varlen chunks; logits [sum(logits_rows), V] fp32."""
+    """One batched forward of varlen chunks; logits [sum(logits_rows), V] fp32. A CUDA graph replays it
+    when the model has a runner for this cache and shape (models/cuda_graph.py), else it runs eagerly."""
+    logits = graph_forward(model, cache, chunks, starts, tables, logits_rows)
+    if logits is not None:
+        return logits
     lay = build_layout(chunks, starts, tables, block_size, logits_rows, device=model.device)
     return model(lay, cache)
 
