@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # GPU check for the Triton kernels (<= ~8 min on an H200; also runs, refs only, on a CPU box).
-#   1. kernel tests on CUDA (compiled Triton, no interpreter; gpu-marked tests included)
+#   1. kernel tests on CUDA (compiled Triton, no interpreter; gpu-marked tests included, among them
+#      tests/triton_kernels/test_cuda_graph.py: captured CUDA graphs replay the eager logits)
 #   2. bench/kernel_bench.py: each kernel vs its torch ref and vs the copy-bandwidth roofline
-#   3. python -m nightjar.bench.e2e_synthetic, if that module exists
+#   3. bench/cuda_graph_bench.py: eager vs CUDA-graph step time on the 7B-shaped random target
+#      (CPU: a no-capture smoke run, no timing claim)
+#   4. python -m nightjar.bench.e2e_synthetic, if that module exists
 # Every section runs under its own timeout; the script keeps going after a failed section and
-# exits non-zero at the end if any failed. Env: PYTHON (interpreter), E2E_TIMEOUT (seconds).
+# exits non-zero at the end if any failed. Env: PYTHON (interpreter), E2E_TIMEOUT, GRAPH_TIMEOUT (seconds).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,6 +64,13 @@ run "kernel tests" 200 "$PY" -m pytest tests/triton_kernels -q -p no:cacheprovid
 
 section "kernel bench ($DEVICE)"
 run "kernel bench" 150 "$PY" bench/kernel_bench.py --device "$DEVICE"
+
+section "cuda graphs: eager vs graph step time ($DEVICE)"
+if [[ "$HAS_CUDA" == 1 ]]; then
+    run "cuda graph bench" "${GRAPH_TIMEOUT:-240}" "$PY" bench/cuda_graph_bench.py --batches 1,8,24,64 --q 1,4
+else
+    run "cuda graph bench (smoke)" 120 "$PY" bench/cuda_graph_bench.py --smoke
+fi
 
 section "e2e synthetic"
 if "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('nightjar.bench') and u.find_spec('nightjar.bench.e2e_synthetic') else 1)" 2>/dev/null; then
