@@ -47,6 +47,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    if a.replicas is not None or a.min_replicas is not None or a.max_replicas is not None:
+        return _serve_cluster(a)
     try:
         app = importlib.import_module("nightjar.api.app")
     except ImportError as e:
@@ -56,6 +58,50 @@ def cmd_serve(a: argparse.Namespace) -> int:
                               max_connections=a.max_connections, keepalive_timeout_s=a.keepalive_timeout)
     app.serve(engine_kwargs(a), host=a.host, port=a.port, api_key=a.api_key, trace=a.trace, limits=limits)
     return 0
+
+
+def _serve_cluster(a: argparse.Namespace) -> int:
+    """``serve --replicas N``: N engines on Ray Serve (nightjar/deploy); mistakes exit 2 with one line."""
+    try:
+        import ray  # noqa: F401
+
+        from nightjar.deploy.cluster import ClusterOptions, serve_cluster
+    except ImportError as e:
+        print(f"nightjar serve: error: --replicas needs Ray Serve ({e}): pip install -e '.[ray]'", file=sys.stderr)
+        return 2
+    opts = ClusterOptions(num_replicas=a.replicas or 1, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                          target_ongoing_requests=a.target_ongoing_requests,
+                          max_ongoing_requests=a.max_ongoing_requests, replica_cpus=a.replica_cpus,
+                          replica_gpus=a.replica_gpus, ray_address=a.ray_address, host=a.host, port=a.port,
+                          api_key=a.api_key)
+    try:
+        opts.check()
+        if a.trace is not None:
+            raise ValueError("--trace is per process: not supported with --replicas")
+        serve_cluster(engine_kwargs(a), opts)
+    except (ValueError, ConnectionError, RuntimeError) as e:
+        if os.environ.get("NIGHTJAR_DEBUG"):
+            raise
+        print(f"nightjar serve: error: {' '.join(str(e).split())[:300]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cluster_args(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("replicas (Ray Serve; needs the [ray] extra)")
+    g.add_argument("--replicas", type=_positive(int), default=None, metavar="N",
+                   help="serve N engine replicas behind one endpoint on Ray Serve (num_replicas)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. auto, or head-ip:6379) instead of starting a local one")
+    g.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                   help="autoscale between --min-replicas and --max-replicas on ongoing requests")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="N")
+    g.add_argument("--target-ongoing-requests", type=_positive(float), default=16.0, metavar="N",
+                   help="autoscaling target of ongoing requests per replica (default 16)")
+    g.add_argument("--max-ongoing-requests", type=_positive(int), default=64, metavar="N",
+                   help="requests Serve sends one replica at once (default 64)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs per replica (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="GPUs per replica (default 0)")
 
 
 def _positive(kind):
@@ -115,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
     _server_args(s)
+    _cluster_args(s)
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate once from a prompt (one user chat message unless --raw)")
     add_engine_args(g)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,20 @@ class ClusterOptions:
         return cfg
 
 
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """ConnectionError (one line) when ``host:port`` does not accept a TCP connection; Ray itself would
+    retry for minutes. ``auto`` and ``ray://`` addresses are left to Ray."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address must be auto, host:port or ray://host:port (got {address!r})")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address}: {e}") from None
+
+
 def board_name(app_name: str = APP_NAME) -> str:
     return f"{app_name}-metrics"
 
@@ -83,6 +98,7 @@ def start(engine_kwargs: dict, model_name: str, opts: ClusterOptions, app_name: 
 
     opts.check()
     if not ray.is_initialized():
+        check_reachable(opts.ray_address)
         ray.init(address=opts.ray_address, include_dashboard=False, log_to_driver=True,
                  **(ray_init_kwargs or {}))
     serve.start(http_options={"host": opts.host, "port": opts.port})
