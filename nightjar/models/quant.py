@@ -1,0 +1,208 @@
+"""Weight-only quantized linear layers for CPU on torch's packed kernels (``--quantization int8|int4``).
+
+int8: per-output-channel symmetric scales, ``aten._weight_int8pack_mm``. int4: groupwise (32 inputs per
+group) scale and zero, ``aten._weight_int4pack_mm_for_cpu`` on the layout of
+``aten._convert_weight_to_int4pack_for_cpu``; a weight is ``(q - 8) * scale + zero`` with q in 0..15.
+Activations stay in the model's dtype (bf16, fp16 or fp32: the kernels take all three).
+
+Each int4 group is quantized two ways, min/max affine (as GGUF Q4_1) and symmetric about zero (as GGUF
+Q4_0), and keeps whichever reconstructs it better: on weights dequantized from a Q4_0 or Q4_1 GGUF one of
+the two reproduces the file's own 4-bit codes, so the engine runs the file's codes, not a second
+quantization (tests/models/test_quant.py checks this against the raw Q4_1 blocks). Q8_0's per-32-block
+scales cannot be expressed by per-channel int8 scales: int8 requantizes.
+
+The packed kernels are GEMV-shaped: their time grows about linearly in the rows M of x. Past
+``PACKED_MAX_ROWS`` rows (prefill chunks, large batches) a layer dequantizes its weight once per call and
+runs one dense GEMM instead. The LM head is not quantized (see docs/quantization.md for the measurement).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("none", "int8", "int4")
+INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 64 (K % group == 0)
+PACKED_MAX_ROWS = 32       # rows up to which the packed kernel beats dequantize + GEMM (measured)
+_INNER_K_TILES = 2         # the CPU packer's argument (it is ignored on CPU; 2 is what torchao passes)
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T with W [out, in] held as int8 (+ per-row scale) or packed int4 (+ group scale/zero).
+
+    ``qweight`` and ``scales`` are frozen parameters, so ``model.parameters()`` (the draft weight mover),
+    ``model.to(dtype)`` (scales follow the activations' dtype) and ``weight_bytes`` all see them.
+    """
+
+    def __init__(self, mode: str, in_features: int, out_features: int, qweight: torch.Tensor,
+                 scales: torch.Tensor, group_size: int = 0):
+        super().__init__()
+        self.mode, self.in_features, self.out_features, self.group_size = mode, in_features, out_features, group_size
+        self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [out, in] | uint8 [out, in/2]
+        self.scales = nn.Parameter(scales, requires_grad=False)     # [out] | [in/group, out, 2] (scale, zero)
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, mode: str, group_size: int = INT4_GROUP) -> QuantLinear:
+        """Quantize a float weight [out, in]; scales keep ``w``'s dtype."""
+        out_f, in_f = w.shape
+        if mode == "int8":
+            q, s = quantize_int8(w)
+            return cls(mode, in_f, out_f, q, s)
+        if mode == "int4":
+            codes, sz = quantize_int4(w, group_size)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), _INNER_K_TILES)
+            return cls(mode, in_f, out_f, packed, sz, group_size)
+        raise ValueError(f"unknown quantization {mode!r}; use one of {MODES}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        x2 = x.reshape(-1, self.in_features)                          # [M, in]
+        if x2.shape[0] > PACKED_MAX_ROWS:
+            y = F.linear(x2, self.dequantize().to(x.dtype))
+        elif self.mode == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
+                                                           self.scales.to(x.dtype))
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes [out, in]: int8 values, or int4 values 0..15 (as uint8)."""
+        if self.mode == "int8":
+            return self.qweight
+        return unpack_int4(self.qweight, self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] the kernels compute with (formed in fp32, returned in the scales' dtype)."""
+        if self.mode == "int8":
+            return (self.qweight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = self.codes().view(n, k // g, g).float()                   # [out, in/g, g]
+        sz = self.scales.transpose(0, 1).float()                      # [out, in/g, 2]
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(self.scales.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in (self.qweight, self.scales))
+
+    def extra_repr(self) -> str:
+        g = f", group={self.group_size}" if self.mode == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}{g}"
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> int8 codes [out, in], per-row scales [out] (symmetric, max |w| -> 127)."""
+    w32 = w.detach().float()
+    scale = (w32.abs().amax(dim=1) / 127).clamp_min(1e-12)           # [out]
+    q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(w.dtype)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> codes [out, in] (uint8 0..15) and scales_and_zeros [in/group, out, 2] (w's dtype).
+
+    Per group, the better of min/max affine and symmetric (zero = 0) quantization by squared error.
+    """
+    out_f, in_f = w.shape
+    if in_f % group:
+        raise ValueError(f"int4: in_features {in_f} is not a multiple of the group size {group}")
+    wg = w.detach().float().view(out_f, in_f // group, group)         # [out, G, g]
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    s_aff = ((hi - lo) / 15).clamp_min(1e-12)
+    z_aff = lo + 8 * s_aff
+    peak = torch.where(hi.abs() > lo.abs(), hi, lo)                    # signed value of largest magnitude
+    s_sym = torch.where(peak == 0, torch.ones_like(peak), -peak / 8)
+    z_sym = torch.zeros_like(s_sym)
+    best = None
+    for s, z in ((s_aff, z_aff), (s_sym, z_sym)):
+        s, z = s.to(w.dtype).float(), z.to(w.dtype).float()           # what the kernel will see
+        q = torch.round((wg - z) / s + 8).clamp(0, 15)
+        err = ((q - 8) * s + z - wg).pow(2).sum(-1, keepdim=True)      # [out, G, 1]
+        if best is None:
+            best = [q, s, z, err]
+        else:
+            take = err < best[3]
+            best = [torch.where(take, a, b) for a, b in zip((q, s, z, err), best)]
+    q, s, z, _ = best
+    sz = torch.cat((s, z), dim=-1).transpose(0, 1).contiguous()      # [G, out, 2]
+    return q.view(out_f, in_f).to(torch.uint8), sz.to(w.dtype)
+
+
+def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Undo ``_convert_weight_to_int4pack_for_cpu`` (torch 2.13): uint8 [n, k/2] -> codes [n, k] (uint8).
+
+    Rows go in blocks of 64: byte (k_i, j) holds row j (low nibble) and row j+32 (high). A tail of
+    n % 64 rows pairs neighbouring rows: byte (k_i, j) holds rows 2j (low) and 2j+1 (high).
+    """
+    flat = packed.reshape(-1)
+    nb = n // 64 * 64
+    head = flat[: nb * k // 2].view(n // 64, k, 32)                   # [blocks, k, 32]
+    q = torch.cat((head & 15, head >> 4), dim=-1).permute(0, 2, 1).reshape(nb, k)
+    if nb == n:
+        return q
+    tail = flat[nb * k // 2:].view(k, (n - nb) // 2)                  # [k, r/2]
+    qt = torch.stack((tail & 15, tail >> 4), dim=-1).reshape(k, n - nb).t()
+    return torch.cat((q, qt))
+
+
+def _linear_weight(m: nn.Module) -> torch.Tensor | None:
+    """The dense [out, in] weight of a bias-free linear layer (plain or oneDNN-packed), else None."""
+    if type(m) is nn.Linear and m.bias is None:
+        return m.weight.detach()
+    if hasattr(m, "dense_weight") and hasattr(m, "in_features"):     # models/cpu_linear.PackedLinear
+        return m.dense_weight()
+    return None
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP) -> int:
+    """Replace every bias-free linear layer inside ``model.layers`` by a QuantLinear; returns how many.
+
+    The embedding, norms and LM head keep their dtype. Runs after loading (and after fusion).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization {mode!r}; use one of {MODES}")
+    if mode == "none":
+        return 0
+    if model.device.type != "cpu":
+        raise ValueError(f"quantization {mode} runs on CPU only (torch's packed CPU kernels)")
+    swaps = [(name, w) for name, m in model.layers.named_modules() if (w := _linear_weight(m)) is not None]
+    for name, w in swaps:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.layers.get_submodule(parent_name) if parent_name else model.layers
+        setattr(parent, attr, QuantLinear.from_weight(w, mode, group_size))
+    return len(swaps)
+
+
+def quantized_modes(model: nn.Module) -> set[str]:
+    return {m.mode for m in model.modules() if isinstance(m, QuantLinear)}
+
+
+def cast_floats(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating-point parameters (scales included) to ``dtype``; codes and buffers (RoPE) stay."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return model
+
+
+def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft_for=None, seed: int = 0):
+    """Load a target (``draft_for=None``) or a draft for ``draft_for`` (a ModelConfig) with weight-only
+    ``mode`` quantization of its layers: loaded in fp32 (so int4 recovers a Q4_0/Q4_1 file's own codes),
+    quantized, then cast to ``dtype``. A target's LM head is then oneDNN-packed where that applies."""
+    from nightjar.models import load_draft, load_model, parse_dtype
+
+    if mode == "none":
+        if draft_for is not None:
+            return load_draft(spec, draft_for, dtype, device, seed)
+        return load_model(spec, dtype, device)
+    if draft_for is not None:
+        loaded = load_draft(spec, draft_for, torch.float32, device, seed)
+        if loaded is None:
+            return None
+    else:
+        loaded = load_model(spec, torch.float32, device)
+    quantize_model(loaded.model, mode)
+    cast_floats(loaded.model, parse_dtype(dtype))
+    if draft_for is None:
+        loaded.model.pack_cpu_weights()        # the bf16 LM head (the layers are QuantLinear by now)
+    return loaded

@@ -1,0 +1,151 @@
+"""Weight-only quantization (models/quant.py): the packed int8/int4 CPU kernels against a
+dequantize-then-matmul reference, int4 codes equal to a Q4_1 GGUF's own blocks, the model pass, a
+quantized draft through offload -> release -> reload, and every policy greedy-exact with a quantized
+target (fp32 activations: the packed kernels take fp32, bf16 and fp16 alike)."""
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import nightjar.models.quant as quant
+from nightjar.models import LoadedModel
+from nightjar.models.quant import QuantLinear, quantize_int4, quantize_model
+from nightjar.sampling import SamplingParams
+from tests.conftest import perturbed, random_model, tiny_config
+
+SHAPES = [(64, 64), (96, 128), (48, 64), (160, 96)]     # out % 64 != 0 exercises the packer's tail layout
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_kernels_match_dequantize_then_matmul(mode, dtype):
+    g = torch.Generator().manual_seed(0)
+    for out_f, in_f in SHAPES:
+        lin = QuantLinear.from_weight(torch.randn(out_f, in_f, generator=g).to(dtype), mode)
+        w = lin.dequantize().float()                                   # [out, in]
+        for rows in (1, 5, quant.PACKED_MAX_ROWS + 7):                 # packed kernel, and the GEMM path
+            x = torch.randn(2, rows, in_f, generator=g).to(dtype)
+            got = lin(x)
+            assert got.shape == (2, rows, out_f) and got.dtype == dtype
+            ref = x.float() @ w.T
+            tol = 1e-5 if dtype == torch.float32 else 1e-2             # bf16: the output's own rounding
+            assert torch.allclose(got.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), (out_f, in_f, rows)
+
+
+def test_quantization_error_is_bounded_by_one_step():
+    """int8: half a step of max|row|/127; int4: at most one step of max|group|*2/15 (the symmetric
+    scheme may clip its positive side by one step)."""
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    err8 = (QuantLinear.from_weight(w, "int8").dequantize() - w).abs()
+    assert (err8 <= w.abs().amax(1, keepdim=True) / 254 + 1e-6).all()
+    err4 = (QuantLinear.from_weight(w, "int4").dequantize() - w).abs().view(64, 4, 32)
+    assert (err4 <= w.abs().view(64, 4, 32).amax(-1, keepdim=True) * 2 / 15 + 1e-6).all()
+    assert err4.mean() < 0.1 * w.abs().mean()
+
+
+def test_int4_unpacking_inverts_the_cpu_packer():
+    g = torch.Generator().manual_seed(2)
+    for out_f, in_f in SHAPES:
+        codes = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        assert torch.equal(quant.unpack_int4(packed, out_f, in_f).to(torch.int32), codes)
+
+
+def test_int4_keeps_q4_0_style_codes_exactly():
+    """Weights (q - 8) * d per 32-group, as GGUF Q4_0 stores them, come back with the same codes."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(1, 16, (32, 64), generator=g)
+    q[:, ::32] = 0                                                     # Q4_0: the largest magnitude is -8d
+    d = torch.rand(32, 2, generator=g).repeat_interleave(32, 1) + 0.1
+    codes, _ = quantize_int4((q - 8) * d, 32)
+    assert torch.equal(codes.long(), q)
+
+
+def test_int4_reproduces_the_codes_of_a_q4_1_gguf(smollm2_path):
+    from gguf import GGUFReader
+
+    from nightjar.models.loader import dequantize_tensor
+
+    tensors = {t.name: t for t in GGUFReader(str(smollm2_path)).tensors}
+    for name in ("blk.0.ffn_down.weight", "blk.7.attn_v.weight"):
+        t = tensors[name]
+        if t.tensor_type.name != "Q4_1":
+            pytest.skip(f"{name} is {t.tensor_type.name}, not Q4_1")
+        blocks = np.asarray(t.data).reshape(t.data.shape[0], -1, 20)    # [rows, blocks, (d, m, 16 B)]
+        qs = blocks[..., 4:]
+        raw = np.concatenate((qs & 15, qs >> 4), -1).reshape(t.data.shape[0], -1)   # [rows, cols]
+        codes, _ = quantize_int4(torch.from_numpy(dequantize_tensor(t).copy()), 32)
+        assert np.array_equal(codes.numpy(), raw), name
+
+
+def quantized(model, mode):
+    m = copy.deepcopy(model)
+    quantize_model(m, mode)
+    return m
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_pass_replaces_every_layer_linear_and_weight_bytes_shrinks(mode):
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=4)
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.layers.modules())
+    before = model.weight_bytes()
+    q = quantized(model, mode)
+    assert sum(isinstance(m, QuantLinear) for m in q.layers.modules()) == n_linear
+    assert not any(type(m) is torch.nn.Linear for m in q.layers.modules())
+    assert q.lm_head.weight is q.embed_tokens.weight                    # tied, unquantized
+    layer_bytes = sum(m.weight.numel() * 4 for m in model.layers.modules() if type(m) is torch.nn.Linear)
+    qbytes = sum(m.nbytes for m in q.modules() if isinstance(m, QuantLinear))
+    assert q.weight_bytes() == before - layer_bytes + qbytes
+    assert qbytes < layer_bytes / (3 if mode == "int8" else 4)
+    assert all(not p.requires_grad for m in q.modules() if isinstance(m, QuantLinear) for p in m.parameters())
+
+
+async def test_a_quantized_draft_round_trips_offload_release_reload_exactly():
+    from nightjar.transfer.weights import DraftTransfer, release_draft
+    from tests.transfer.test_transfer import logits_of, make_slot, offload, reload, snapshot
+
+    slot = make_slot()
+    quantize_model(slot.model, "int4")
+    before = logits_of(slot)
+    weights, kv = snapshot(slot)
+    nbytes, kv_bytes = slot.model.weight_bytes(), slot.cache.nbytes
+    tr = DraftTransfer(asyncio.get_running_loop())
+    try:
+        host, _, _ = await offload(tr, slot)
+        assert release_draft(slot) == nbytes + kv_bytes
+        await reload(tr, slot, host)
+    finally:
+        tr.shutdown()
+    got = dict(slot.model.named_parameters())
+    assert any(p.dtype == torch.uint8 for p in got.values())
+    for name, w in weights.items():
+        assert got[name].dtype == w.dtype and torch.equal(got[name], w), name
+    assert slot.model.weight_bytes() == nbytes
+    assert torch.equal(logits_of(slot), before)
+
+
+POLICIES = ["off", "fixed:1", "fixed:2", "fixed:3", "fixed:4", "nightjar"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_every_policy_is_greedy_exact_with_a_quantized_target(make_engine, smol_tokenizer, mode):
+    from tests.test_engine import generate_with, prompts_of_mixed_length
+
+    cfg = tiny_config(eos=smol_tokenizer.eos_token_ids)
+    base = random_model(cfg, seed=1)
+    target = LoadedModel(quantized(base, mode), smol_tokenizer, f"tiny-{mode}")
+    draft = LoadedModel(quantized(perturbed(base, 0.02, 2), mode), None, f"tiny-draft-{mode}")
+    prompts = prompts_of_mixed_length(smol_tokenizer, n=12)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref, _ = generate_with(make_engine, "off", prompts, params, pair=(target, draft), max_num_seqs=1)
+    for policy in POLICIES:
+        for bs in (1, 7):
+            got, stats = generate_with(make_engine, policy, prompts, params, pair=(target, draft),
+                                       max_num_seqs=bs, gamma_max=4)
+            assert got == ref, (mode, policy, bs)
+            if policy.startswith("fixed"):
+                assert 0 < stats.accepted_tokens < stats.draft_tokens
