@@ -336,3 +336,61 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_graphs_cuda():
     got, stats = asyncio.run(run(False))
     assert none == {} and got == ref
     assert stats.get("replays", 0) > 0
+
+
+# ---- the engine through the runner (no capture on CPU) -------------------------------------------------
+def engine_run(pair, prompts, policy: str, runners: bool, monkeypatch, cycle: bool = False):
+    """Greedy outputs of an engine whose models run the Triton path; with ``runners`` every model gets a
+    runner (capturing on CUDA, not on CPU). ``cycle`` forces one draft offload/reload mid-run."""
+    import asyncio
+
+    from nightjar import engine as engine_mod
+    from nightjar.engine import Engine
+    from nightjar.kernel.messages import OffloadDraft, ReloadDraft
+    from nightjar.sampling import SamplingParams
+    from tests.test_elastic import wait_for, wait_state, wait_steps
+
+    def attach(model, cache, **kw):
+        model.graph_runner = GraphRunner(model, cache, capture=DEV == "cuda", **kw)
+        return model.graph_runner
+    monkeypatch.setattr(engine_mod, "attach_graphs", attach)
+
+    async def main():
+        async with Engine(policy=policy, loaded=pair, dtype="float32", device=DEV, num_blocks=48, block_size=4,
+                          max_num_seqs=3, gamma_max=3, enforce_eager=not runners) as eng:
+            sp = SamplingParams(max_tokens=12, ignore_eos=True)
+
+            async def one(p):
+                return [t for o in [o async for o in eng.generate(p, sp)] for t in o.token_ids]
+            job = asyncio.gather(*[one(p) for p in prompts])
+            if cycle:
+                await wait_for(lambda: pair[1].model.graph_runner.entries, what="a draft graph")
+                eng.bus.publish("test", [OffloadDraft(reason="test")])
+                await wait_state(eng, "OFFLOADED")
+                await wait_steps(eng, eng.stats.steps + 3)
+                eng.bus.publish("test", [ReloadDraft(reason="test")])
+                await wait_for(lambda: eng.weights.state == "RESIDENT", what="reload")
+            out = await job
+            stats = [dict(getattr(m.model, "graph_runner").stats) if runners else {} for m in pair]
+            assert eng.weights.num_reloads == (1 if cycle else 0)
+            return out, stats
+    return asyncio.run(main())
+
+
+def test_engine_greedy_tokens_through_the_runner_equal_eager_with_an_offload_cycle(monkeypatch):
+    from nightjar.models import LoadedModel
+    from tests.conftest import perturbed
+
+    target = random_model(tiny_config(vocab=256, hidden=32, layers=2, heads=4, kv=2, eos=()), seed=1).to(DEV)
+    draft = perturbed(target, 0.05, 2)
+    for m in (target, draft):
+        m.select_kernels(True)
+    pair = (LoadedModel(target, None, "t"), LoadedModel(draft, None, "d"))
+    prompts = [[(11 * i + j) % 250 + 3 for j in range(3 + 4 * i)] for i in range(3)]
+    ref, _ = engine_run(pair, prompts, "off", runners=False, monkeypatch=monkeypatch)
+    plain, _ = engine_run(pair, prompts, "off", runners=True, monkeypatch=monkeypatch)
+    spec, (t_stats, d_stats) = engine_run(pair, prompts, "fixed:3", runners=True, monkeypatch=monkeypatch,
+                                          cycle=True)
+    assert plain == ref and spec == ref
+    assert t_stats["replays"] > 0 and d_stats["replays"] > 0
+    assert d_stats["resets"] >= 1                          # the offload dropped the draft's graphs
