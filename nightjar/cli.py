@@ -196,7 +196,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError
 
 DELEGATED = {"distill": "nightjar.training.distill", "bench": "nightjar.bench.cli",
              "replay": "nightjar.offline.replay", "trace": "nightjar.offline.trace_summary",
-             "simulate": "nightjar.offline.simulate", "profile": "nightjar.offline.profile"}
+             "simulate": "nightjar.offline.sim.cluster", "profile": "nightjar.offline.profile"}
 
 
 def main(argv: list[str] | None = None) -> int:
