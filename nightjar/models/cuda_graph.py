@@ -177,6 +177,7 @@ class GraphRunner:
         self._pool = None
         self._logits: torch.Tensor | None = None   # [max_batch * max_q, V] fp32: every graph's output
         self._sig: tuple | None = None
+        self.failed = False                    # a capture failed: eager for good
 
     # ---- validity --------------------------------------------------------------------------------
     def _signature(self) -> tuple | None:
@@ -197,7 +198,7 @@ class GraphRunner:
     def forward(self, chunks: list[list[int]], starts: list[int], tables: list[tuple[int, ...]],
                 logits_rows: list[int]) -> torch.Tensor | None:
         """Logits [sum(logits_rows), V] fp32 as the eager forward gives them, or None (run eager)."""
-        sig = self._signature()
+        sig = None if self.failed else self._signature()
         key = sig and choose_key([len(c) for c in chunks], logits_rows, starts, self.buckets, self.max_q,
                                  self.width, self.block_size)
         if key is None:
@@ -207,18 +208,37 @@ class GraphRunner:
             self.reset()
             self._sig = sig
         entry = self.entries.get(key)
-        fresh = entry is None
-        if fresh:
-            entry = self.entries[key] = _Entry(StaticPlan(key, self.width), self.model.device)
-        n = entry.load(chunks, starts, tables, logits_rows, self.block_size)
+        if entry is None:
+            entry = _Entry(StaticPlan(key, self.width), self.model.device)
+            n = entry.load(chunks, starts, tables, logits_rows, self.block_size)
+            if not self._first_run(entry):
+                return None
+            self.entries[key] = entry
+            self.stats["captures"] += 1
+        else:
+            n = entry.load(chunks, starts, tables, logits_rows, self.block_size)
+            if entry.graph is None:
+                self._run(entry)
+            else:
+                entry.graph.replay()
+            self.stats["replays"] += 1
+        return self._logits[:n].clone()
+
+    def _first_run(self, entry: _Entry) -> bool:
+        """Run a new key's step (capturing its graph on CUDA). A failed capture turns this runner off for
+        good (False: the caller runs the step eagerly; the warm-up's KV writes are the ones eager repeats)."""
         if not self.capture:
             self._run(entry)
-        elif fresh:
+            return True
+        try:
             self._capture(entry)
-        else:
-            entry.graph.replay()
-        self.stats["replays" if not fresh else "captures"] += 1
-        return self._logits[:n].clone()
+        except Exception as e:             # noqa: BLE001 - any capture failure means: stay eager
+            log.warning("CUDA graph capture failed for %s (%s: %s); this model runs eagerly from now on",
+                        entry.plan.key, type(e).__name__, e)
+            self.failed = True
+            self.reset()
+            return False
+        return True
 
     def _run(self, entry: _Entry) -> None:
         """The captured body: the model on the static layout, logits into the shared output buffer."""

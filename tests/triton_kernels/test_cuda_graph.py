@@ -245,6 +245,21 @@ def test_draft_release_drops_its_graphs():
     assert not runner.entries and runner.stats["resets"] == 1
 
 
+def test_a_failed_capture_leaves_the_model_eager(monkeypatch, caplog):
+    model = tiny()
+    cache, tables, _ = prefilled(model, [4, 4], seed=8)
+    runner = runner_for(model, cache)
+    runner.capture = True                                  # as on CUDA, with a capture that raises
+
+    def broken(entry):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(runner, "_capture", broken)
+    assert runner.forward([[1], [5]], [4, 4], tables, [1, 1]) is None
+    assert runner.failed and not runner.entries and "capture failed" in caplog.text
+    assert runner.forward([[2], [6]], [5, 5], tables, [1, 1]) is None
+    assert runner.stats["eager"] == 1 and runner.stats["captures"] == 0
+
+
 def test_graphs_are_never_attached_on_cpu_and_enforce_eager_is_a_flag():
     model = tiny("cpu")
     c = model.cfg
