@@ -143,7 +143,8 @@ class Batcher(Actor):
             seq = seqs.get(rid)
             if seq is None:
                 continue
-            self._advance_counters(seq, sched, row, msg.accepted[row], msg.gamma)
+            g = msg.gammas[row] if msg.gammas and row < msg.num_decode else msg.gamma
+            self._advance_counters(seq, sched, row, msg.accepted[row], g)
             kept, reason = self._apply_stops(seq, new)
             seq.tokens.extend(kept)
             if self.aborts and rid in self.aborts:
@@ -163,7 +164,7 @@ class Batcher(Actor):
 
     @staticmethod
     def _advance_counters(seq: Seq, sched: StepScheduled, row: int, accepted: int, gamma: int) -> None:
-        """KV counters and draft lag after one row's result."""
+        """KV counters and draft lag after one row's result (``gamma``: the row's γ_i)."""
         if row < sched.num_decode:
             n = len(seq.tokens)
             seq.num_computed = n + accepted

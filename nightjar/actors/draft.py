@@ -1,5 +1,6 @@
-"""Draft executor: catches up lagging draft KV, then runs the draft γ times for all speculating
-rows, one batched call per draft position. Keeps the draft's own paged KV and the draft
+"""Draft executor: catches up lagging draft KV, then runs the draft for the speculating rows, one
+batched call per draft position k over the rows with γ_i ≥ k (per-row γ; batch-level: every
+speculating row, γ times). Keeps the draft's own paged KV and the draft
 probabilities (for rejection sampling) in a buffer the verifier reads by handle."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import ClassVar
 import torch
 
 from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
+from nightjar.actors.gamma_allocator import row_gammas
 from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
@@ -58,7 +60,7 @@ class DraftExecutor(Actor):
             case StepScheduled():
                 self.sched = msg
             case BlocksReserved() if msg.gamma > 0 and self.sched and msg.step == self.sched.step:
-                return [self._draft(msg.gamma)]
+                return [self._draft(msg.gamma, msg.gammas)]
         return None
 
     def _forget(self, req_ids) -> None:
@@ -66,37 +68,38 @@ class DraftExecutor(Actor):
             if self.alloc.has_seq(rid):
                 self.alloc.free(rid)
 
-    def _rows(self) -> list[tuple[int, int, int]]:
-        """(row, req_id, draft_computed) of the rows that draft this step."""
+    def _rows(self, gammas: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+        """(row, req_id, draft_computed, γ_i) of the rows that draft this step."""
         s = self.sched
-        return [(i, s.req_ids[i], s.draft_computed[i]) for i in range(s.num_decode) if s.speculate[i]]
+        return [(i, s.req_ids[i], s.draft_computed[i], gammas[i]) for i in range(s.num_decode) if gammas[i] > 0]
 
-    def _prepare(self, rows, gamma: int) -> None:
-        for _, rid, dc in rows:
+    def _prepare(self, rows) -> None:
+        for _, rid, dc, g in rows:
             n = len(self.mirrors[rid].tokens)
             if self.alloc.has_seq(rid) and self.alloc.num_committed(rid) > dc:
                 self.alloc.rollback(rid, dc)
-            self.alloc.reserve(rid, n + gamma)
+            self.alloc.reserve(rid, n + g)
 
-    def _draft(self, gamma: int) -> StepDrafted:
-        rows = self._rows()
-        self._prepare(rows, gamma)
+    def _draft(self, gamma: int, per_row: tuple[int, ...] = ()) -> StepDrafted:
+        s = self.sched
+        rows = self._rows(row_gammas(gamma, per_row, s.speculate, s.num_decode))
+        self._prepare(rows)
         t0 = time.perf_counter()
         catch_tokens = self._catch_up(rows)
         t1 = time.perf_counter()
-        tokens, probs = self._propose(rows, gamma)
+        tokens, probs = self._propose(rows)
         t2 = time.perf_counter()
-        flat = [-1] * (self.sched.num_decode * gamma)
-        for (row, _, _), toks in zip(rows, tokens):
-            flat[row * gamma: (row + 1) * gamma] = toks
-        self.buffers.put(self.sched.step, probs)
-        return StepDrafted(step=self.sched.step, gamma=gamma, draft_tokens=tuple(flat), handle=self.sched.step,
+        flat = [-1] * (s.num_decode * gamma)
+        for (row, _, _, _), toks in zip(rows, tokens):
+            flat[row * gamma: row * gamma + len(toks)] = toks
+        self.buffers.put(s.step, probs)
+        return StepDrafted(step=s.step, gamma=gamma, draft_tokens=tuple(flat), handle=s.step,
                            draft_time_s=t2 - t1, catchup_time_s=t1 - t0 if catch_tokens else 0.0,
-                           catchup_tokens=catch_tokens)
+                           catchup_tokens=catch_tokens, gammas=per_row)
 
     def _catch_up(self, rows) -> int:
         """Prefill the draft KV of rows lagging by 2+ tokens, up to (not incl.) the last token."""
-        lag = [(rid, dc, len(self.mirrors[rid].tokens) - 1) for _, rid, dc in rows]
+        lag = [(rid, dc, len(self.mirrors[rid].tokens) - 1) for _, rid, dc, _ in rows]
         lag = [(rid, dc, end) for rid, dc, end in lag if end - dc >= 2]
         if not lag:
             return 0
@@ -107,9 +110,11 @@ class DraftExecutor(Actor):
             self.alloc.commit(rid, end)
         return sum(len(c) for c in chunks)
 
-    def _propose(self, rows, gamma: int):
-        """γ batched draft calls. Returns per-row draft tokens and q probs [γ, V] of sampling rows."""
-        rids = [rid for _, rid, _ in rows]
+    def _propose(self, rows):
+        """max γ_i batched draft calls; call i runs the rows with γ_j > i. Returns per-row draft tokens
+        (γ_j each) and q probs [γ_j, V] of sampling rows."""
+        rids = [rid for _, rid, _, _ in rows]
+        gam = [g for _, _, _, g in rows]
         specs = [self.mirrors[r].sampling for r in rids]
         temp, top_k, top_p = sampling_tensors(specs, self.slot.device)
         greedy = [s.temperature <= 0 for s in specs]
@@ -117,16 +122,22 @@ class DraftExecutor(Actor):
         chunks = [self.mirrors[r].tokens[s:] for r, s in zip(rids, starts)]
         out = [[] for _ in rids]
         qs: list[list[torch.Tensor]] = [[] for _ in rids]
-        for i in range(gamma):
-            logits = run_chunks(self.slot.model, self.slot.cache, self.alloc.block_size, chunks, starts,
-                                [self.alloc.block_table(r) for r in rids], [1] * len(rids))   # [R, V]
-            nxt = self._pick(logits, greedy, temp, top_k, top_p, rids, qs, i)
-            for j, tok in enumerate(nxt):
+        act = list(range(len(rids)))
+        for i in range(max(gam, default=0)):
+            act = [j for j in act if gam[j] > i]                                    # rows with γ_j > i
+            sub = len(act) < len(rids)
+            ix = torch.tensor(act) if sub else None
+            logits = run_chunks(self.slot.model, self.slot.cache, self.alloc.block_size, [chunks[j] for j in act],
+                                [starts[j] for j in act], [self.alloc.block_table(rids[j]) for j in act],
+                                [1] * len(act))                                         # [R_i, V]
+            nxt = self._pick(logits, [greedy[j] for j in act], *((temp[ix], top_k[ix], top_p[ix]) if sub else
+                             (temp, top_k, top_p)), [rids[j] for j in act], [qs[j] for j in act], i)
+            for j, tok in zip(act, nxt):
                 out[j].append(tok)
-            starts = [s + len(c) for s, c in zip(starts, chunks)]
-            chunks = [[tok] for tok in nxt]
+                starts[j] += len(chunks[j])
+                chunks[j] = [tok]
         for r, s in zip(rids, starts):
-            self.alloc.commit(r, s)       # drafts d1..d_{γ-1} now sit in the draft KV
+            self.alloc.commit(r, s)       # drafts d1..d_{γ_j-1} now sit in the draft KV
         probs = {r: torch.stack(q) for r, q in zip(rids, qs) if q}
         return out, probs
 

@@ -1,10 +1,11 @@
 """KV pool actor: owns the target's block allocator (and the cache's segments); reserves slots per
-step (γ+1 lookahead), grows the pool by a segment and shrinks it by migrating only the tail."""
+step (γ_i+1 lookahead per row), grows the pool by a segment and shrinks it by migrating only the tail."""
 from __future__ import annotations
 
 import time
 from typing import ClassVar
 
+from nightjar.actors.gamma_allocator import row_gammas
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -36,7 +37,7 @@ class KVPoolActor(Actor):
                 self.sched = msg
             case StepPlanned():
                 self.inflight = msg.step
-                return [self._reserve(msg.gamma)]
+                return [self._reserve(msg.gamma, msg.gammas)]
             case TokensCommitted():
                 self._commit(msg)
                 if msg.step == self.inflight:
@@ -56,30 +57,36 @@ class KVPoolActor(Actor):
             if self.alloc.has_seq(rid):
                 self.alloc.free(rid)
 
-    def _needs(self, gamma: int) -> list[tuple[int, int]]:
+    def _needs(self, gammas: tuple[int, ...]) -> list[tuple[int, int]]:
         s = self.sched
         needs = []
         for row, rid in enumerate(s.req_ids):
-            extra = gamma if row < s.num_decode and s.speculate[row] else 0
+            extra = gammas[row] if row < s.num_decode else 0
             needs.append((rid, s.starts[row] + len(s.chunk_ids[row]) + extra))
         return needs
 
-    def _reserve(self, gamma: int) -> BlocksReserved:
-        """Reserve the step's slots; lower γ for the whole step when blocks run short."""
+    def _reserve(self, gamma: int, per_row: tuple[int, ...] = ()) -> BlocksReserved:
+        """Reserve the step's slots (γ_i per row); when blocks run short, cap every row's γ_i one lower
+        at a time (the batch-level γ is lowered for the whole step)."""
         needed = self.alloc.blocks_needed
+        s = self.sched
+        gammas = row_gammas(gamma, per_row, s.speculate, s.num_decode)
         while True:
-            needs = self._needs(gamma)
+            needs = self._needs(gammas)
             extra = [needed(r, n) for r, n in needs]
             if gamma == 0 or sum(extra) <= self.alloc.num_free:
                 break
             gamma -= 1
+            gammas = tuple(min(g, gamma) for g in gammas)
+        if per_row:
+            gamma = max(gammas, default=0)
         for (rid, n), e in zip(needs, extra):
             if e or not self.alloc.has_seq(rid):
                 self.alloc.reserve(rid, n)
-        s = self.sched
         return BlocksReserved(step=s.step, gamma=gamma,
                               block_tables=tuple(self.alloc.block_table(r) for r in s.req_ids),
-                              num_free=self.alloc.num_free, num_total=self.alloc.num_total)
+                              num_free=self.alloc.num_free, num_total=self.alloc.num_total,
+                              gammas=gammas if per_row and gamma else ())
 
     def _commit(self, msg: TokensCommitted) -> None:
         for rid, n in zip(msg.req_ids, msg.num_computed):

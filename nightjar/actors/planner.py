@@ -1,4 +1,6 @@
-"""Planner: a thin shell around a pure policy (``actors/policies.py``): one γ per step.
+"""Planner: a thin shell around a pure policy (``actors/policies.py``): one γ per step, or with a
+per-request policy (``nightjar:per-request``) one γ_i per decode row (``StepPlanned.gammas``), learning
+each request's acceptance from ``StepVerified``.
 
 Besides B it hands the policy what the model-based planner prices: the draft lag split into prompt
 tokens (the draft prefills every prompt under any γ>0) and generated tokens (what γ=0 steps left
@@ -18,12 +20,13 @@ from nightjar.kernel.messages import (
     StepPlanned,
     StepScheduled,
     StepTimed,
+    StepVerified,
 )
 
 
 class Planner(Actor):
     name: ClassVar[str] = "planner"
-    subscribes = (StepScheduled, StepTimed, DraftResidency, BlocksReserved)
+    subscribes = (StepScheduled, StepTimed, DraftResidency, BlocksReserved, StepVerified)
 
     def __init__(self, policy: str, gamma_max: int, seed: int, has_draft: bool, *, draft_blocks: int = 0,
                  max_batch: int = 1 << 30, profile=None, profile_scale: float = 1.0, **opts):
@@ -37,13 +40,21 @@ class Planner(Actor):
         self.free_blocks, self.total_blocks = -1, 0
         self.prompt_len: dict[int, int] = {}     # req_id → tokens the target prefilled before decoding
         self.pending = (0, 0)                     # new prompts (tokens, count) not yet shown to the policy
+        self.per_request = bool(getattr(self.policy, "per_request", False))
 
     def handle(self, msg, now):
         match msg:
             case StepScheduled():
-                return [StepPlanned(step=msg.step, gamma=self._decide(msg))]
+                g = self._decide(msg)
+                if isinstance(g, tuple):
+                    top = max(g, default=0)
+                    return [StepPlanned(step=msg.step, gamma=top, gammas=g if top else ())]
+                return [StepPlanned(step=msg.step, gamma=g)]
             case StepTimed():
                 self._observe(msg)
+            case StepVerified() if self.per_request and msg.gammas:
+                nd = msg.num_decode
+                self.policy.observe_rows(msg.req_ids[:nd], msg.gammas, msg.accepted[:nd])
             case BlocksReserved():
                 self.free_blocks, self.total_blocks = msg.num_free, msg.num_total
             case DraftResidency():
@@ -63,6 +74,8 @@ class Planner(Actor):
         if len(self.prompt_len) > 4 * (len(s.req_ids) + 64):     # forget finished requests
             live = set(s.req_ids)
             self.prompt_len = {r: p for r, p in self.prompt_len.items() if r in live}
+            if self.per_request:
+                self.policy.req_accept.forget(live)
         return tok, n
 
     def _lags(self, s: StepScheduled) -> tuple[int, int]:
@@ -77,7 +90,15 @@ class Planner(Actor):
                 gen += lag - pp
         return gen, pr
 
-    def _decide(self, s: StepScheduled) -> int:
+    def _row_lags(self, s: StepScheduled) -> list[int]:
+        """Per decode row: the generated-token draft lag (prompt tokens excluded), 0 below 2."""
+        plen, out = self.prompt_len, []
+        for rid, start, dc in zip(s.req_ids, s.starts, s.draft_computed):
+            lag = start - dc
+            out.append(lag - min(max(plen.get(rid, 0) - dc, 0), lag) if lag >= 2 else 0)
+        return out
+
+    def _decide(self, s: StepScheduled) -> int | tuple[int, ...]:
         if s.prefill_done:
             tok, n = self._new_prompts(s)
             self.pending = (self.pending[0] + tok, self.pending[1] + n)
@@ -93,6 +114,9 @@ class Planner(Actor):
                              new_prompts=new_n, num_waiting=s.num_waiting, free_blocks=self.free_blocks,
                              total_blocks=self.total_blocks, draft_blocks=self.draft_blocks,
                              max_batch=self.max_batch)
+        if self.per_request:
+            lags = self._row_lags(s) if s.max_draft_lag >= 2 else None
+            return self.policy.decide_rows(s.num_decode, state, s.req_ids, s.speculate, lags)
         return self.policy.decide(s.num_decode, state)
 
     def _observe(self, t: StepTimed) -> None:

@@ -37,15 +37,20 @@ def _make_fixed(arg: str, gamma_max: int) -> FixedPolicy:
     return FixedPolicy(gamma_max, k)
 
 
-def _make_nightjar(name: str, gamma_max: int, seed: int, opts: dict) -> Policy:
-    """``nightjar`` / ``nightjar-nooffload`` (model-based) or ``nightjar-paper`` (bin-greedy)."""
+def _make_nightjar(name: str, gamma_max: int, seed: int, opts: dict, suffix: str = "") -> Policy:
+    """``nightjar`` / ``nightjar-nooffload`` (model-based; ``:per-request`` gives each row its own γ_i)
+    or ``nightjar-paper`` (bin-greedy)."""
     if name == "nightjar-paper":
         check_opts(name, opts, NIGHTJAR_PAPER_OPTS)
         return NightjarPaperPolicy(gamma_max, seed, **opts)
     check_opts(name, opts, MODEL_OPTS)
+    if suffix:
+        opts = {**opts, "per_request": True}
     p = ModelNightjarPolicy(gamma_max, seed, **opts)
     if name == "nightjar-nooffload":
         p.name, p.elastic_memory = name, False
+    if suffix:
+        p.name = f"{p.name}:{suffix}"
     return p
 
 
@@ -53,7 +58,10 @@ def make_policy(spec: str, gamma_max: int = 4, seed: int = 0, **opts: Any) -> Po
     """Build a policy from ``spec`` ('off', 'fixed:3', 'table:mlc', 'nightjar', ...)."""
     head, sep, arg = spec.strip().partition(":")
     head = _ALIASES.get(head.strip().lower(), head.strip().lower())
-    if head not in ("fixed", "table") and sep:
+    suffix = arg.strip().lower()
+    if head in ("nightjar", "nightjar-nooffload") and sep and suffix != "per-request":
+        raise ValueError(f"policy {head!r} takes only ':per-request' (got {spec!r})")
+    if head not in ("fixed", "table", "nightjar", "nightjar-nooffload") and sep:
         raise ValueError(f"policy {head!r} takes no ':' argument (got {spec!r})")
     if head == "off":
         check_opts(head, opts, ())
@@ -73,5 +81,5 @@ def make_policy(spec: str, gamma_max: int = 4, seed: int = 0, **opts: Any) -> Po
         check_opts(head, opts, ("delta", "L", "warmup_rounds", "min_gamma", "reward_scale"))
         return BanditSpecPolicy(gamma_max, **opts)
     if head in ("nightjar", "nightjar-nooffload", "nightjar-paper"):
-        return _make_nightjar(head, gamma_max, seed, opts)
+        return _make_nightjar(head, gamma_max, seed, opts, suffix if sep else "")
     raise ValueError(f"unknown policy {spec!r}; choose from {', '.join(_CANONICAL)}")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from nightjar.actors.gamma_allocator import RequestAcceptance, allocate
 from nightjar.actors.policies import (
     PlannerState,
     Policy,
@@ -50,7 +51,8 @@ __all__ = ["AcceptanceModel", "ModelNightjarPolicy", "MODEL_OPTS", "load_profile
 
 MODEL_OPTS = ("profile", "z", "z_accept", "model_sd", "noise_floor", "arm_discount", "stale_discount", "level_rate",
               "accept_window", "rho_prior", "cusum_k", "cusum_h", "cusum_keep", "hysteresis",
-              "dwell0", "switch_cost", "prompt_charge", "kv_cost", "prior_weight", "hysteresis_onoff")
+              "dwell0", "switch_cost", "prompt_charge", "kv_cost", "prior_weight", "hysteresis_onoff",
+              "per_request")
 
 
 def load_profile(profile: Any):
@@ -77,6 +79,7 @@ class AcceptanceModel:
         self.alarms = 0
         self.e = [1.0] * (gamma_max + 1)
         self.e_hi = [1.0] * (gamma_max + 1)
+        self.rate_hi = [prior] * gamma_max      # optimistic per-position rates (E⁺'s factors)
         self._refresh()
 
     def rho(self, i: int) -> float:
@@ -93,17 +96,23 @@ class AcceptanceModel:
             r = (self.acc[i] + self.pw * prior) / (self.n[i] + self.pw)
             prior = r
             r_hi = min(0.995, r + self.z * math.sqrt(r * (1.0 - r) / (self.n[i] + self.pw)))
+            self.rate_hi[i] = r_hi
             p, p_hi = p * r, p_hi * r_hi
             self.e[i + 1] = self.e[i] + p
             self.e_hi[i + 1] = self.e_hi[i] + p_hi
 
-    def observe(self, per_pos: tuple[int, ...], drafts: int) -> None:
-        """One drafting step: ``drafts`` rows, ``per_pos[i]`` of them accepted position i."""
+    def observe(self, per_pos: tuple[int, ...], drafts: int, reached_per_pos: tuple[int, ...] = ()) -> None:
+        """One drafting step: ``drafts`` rows, ``per_pos[i]`` of them accepted position i; with per-row γ,
+        ``reached_per_pos[i]`` rows drafted position i with every earlier one accepted (else per_pos[i-1])."""
         if drafts <= 0 or not per_pos:
             return
-        self._detect(per_pos[0], drafts)
+        n0 = reached_per_pos[0] if reached_per_pos else drafts
+        if n0 > 0:
+            self._detect(per_pos[0], n0)
         reached = drafts
         for i, a in enumerate(per_pos[: self.g]):
+            if reached_per_pos:
+                reached = reached_per_pos[i] if i < len(reached_per_pos) else 0
             if reached <= 0:
                 break
             f = self.d ** reached
@@ -191,7 +200,7 @@ class ModelNightjarPolicy(Policy):
                  level_rate: float = 0.2, accept_window: float = 400.0, rho_prior: float = 0.5,
                  cusum_k: float = 0.5, cusum_h: float = 8.0, cusum_keep: float = 0.2, hysteresis: float = 0.02,
                  hysteresis_onoff: float = 0.04, dwell0: float = 64.0, switch_cost: bool = True,
-                 prompt_charge: bool = True, kv_cost: bool = True) -> None:
+                 prompt_charge: bool = True, kv_cost: bool = True, per_request: bool = False) -> None:
         super().__init__(gamma_max)
         if not 0.0 < arm_discount <= 1.0 or not 0.0 < level_rate <= 1.0 or (model_sd or 1) <= 0 or z < 0:
             raise ValueError("nightjar: arm_discount and level_rate in (0, 1], model_sd > 0, z >= 0")
@@ -220,6 +229,11 @@ class ModelNightjarPolicy(Policy):
         self._levels: list[float] = []      # per bucket, without a profile
         self.last_explore = False
         self.decisions = self.kv_decisions = 0
+        self.per_request = bool(per_request)     # γ_i per row (``decide_rows``); else one γ per step
+        self.req_accept = RequestAcceptance(gamma_max)
+        self._tt: list[list[float]] = []         # target(n, q) for q = 0..Γmax+1, per n (per-row allocator)
+        self._dt: list[float] = []               # draft(n)
+        self.row_decisions = 0
 
     def set_profile(self, profile: Any, scale: float = 1.0) -> None:
         """Use ``profile`` (times multiplied by ``scale``) as the step-time model from now on."""
@@ -346,6 +360,82 @@ class ModelNightjarPolicy(Policy):
         self.last_explore = False
         return best
 
+    # ------------------------------------------------------------ per-row γ (issue 17)
+    def _tables(self, b: int) -> tuple[list[list[float]], list[float]]:
+        """Dense target(n, q) and draft(n) for n ≤ b (the profile's, or the generic prior's split)."""
+        tt, dt, p, G = self._tt, self._dt, self.profile, self.gamma_max
+        while len(tt) <= b:
+            n = len(tt)
+            if p is None:
+                tt.append([0.0] + [1.0 + max(0, n * q - 4) / 16.0 if n else 0.0 for q in range(1, G + 2)])
+                dt.append(0.12 if n else 0.0)
+            else:
+                tt.append([0.0] + [p.target_time(n, q) if n else 0.0 for q in range(1, G + 2)])
+                dt.append(p.draft_time(n) if n else 0.0)
+        return tt, dt
+
+    def mixed_base(self, b: int, drafted_per_pos) -> float:
+        """base of a step with B rows whose draft pass k ran drafted_per_pos[k-1] rows (see gamma_allocator)."""
+        tt, dt = self._tables(b)
+        out = tt[b][1]
+        for k, n in enumerate(drafted_per_pos, 1):
+            if n > 0:
+                out += tt[n][k + 1] - tt[n][k] + dt[n]
+        return max(out, 1e-9)
+
+    def decide_rows(self, batch_size: int, state: PlannerState, req_ids, speculate, row_lags=None) -> tuple[int, ...]:
+        """γ_i per decode row: the greedy allocator over per-request gains, priced by this planner's model."""
+        b = batch_size
+        if not state.draft_resident or b <= 0:
+            return (0,) * b
+        c = bucket(b)
+        arms, row = self._ctx(c), self.base_row(b)
+        ts = self._times(arms, row)
+        if self.profile is None:
+            _extrapolate(ts, arms)
+        z, G = self.z, self.gamma_max
+        factor = [t * (1.0 - z * se) / base for (t, se), base in zip(ts, row)]
+        shared = self.accept.rate_hi
+        ra = self.req_accept
+        gains = [ra.gains(rid, shared, G) if sp else [] for rid, sp in zip(req_ids, speculate)]
+        extra, row_extra = self._row_extras(state, row_lags)
+        tt, dt = self._tables(b)
+        alloc = allocate(gains, tt, dt, factor, extra, row_extra)
+        out = alloc.gammas
+        zero = alloc.zero_score
+        if self.kv_cost and self.elastic_memory:
+            zero = min(zero, self._kv_alt(b, state))
+        if any(out):
+            h = self.hyst_onoff if state.prev_gamma == 0 else 0.0
+            if not alloc.score < (1.0 - h) * zero:
+                out = (0,) * b
+        elif state.prev_gamma > 0 and not zero < (1.0 - self.hyst_onoff) * alloc.best_on_score:
+            out = self._keep_on(gains, tt, dt, factor, extra, row_extra)
+        self._cur[c] = max(out, default=0)
+        self.decisions += 1
+        self.row_decisions += 1
+        return out
+
+    def _keep_on(self, gains, tt, dt, factor, extra, row_extra) -> tuple[int, ...]:
+        """Hysteresis on turning speculation off: the best allocation that drafts at least one token."""
+        best = allocate(gains, tt, dt, [math.inf] + factor[1:], extra, row_extra)
+        return best.gammas
+
+    def _row_extras(self, state: PlannerState, row_lags) -> tuple[float, list[float] | None]:
+        """Seconds every drafting step pays (steady prompt prefill; a catch-up call's fixed cost when
+        switching on) and, per row, its own generated-token catch-up spread over the expected dwell."""
+        extra = self._extras(PlannerState(draft_resident=True, prev_gamma=state.prev_gamma, lag_tokens=0,
+                                          new_prompt_tokens=state.new_prompt_tokens, new_prompts=state.new_prompts))
+        ab = self.switch.coef()
+        if ab is None or not self.switch_cost or not row_lags:
+            return extra, None
+        c1 = ab[1] / self.dwell
+        return extra, [c1 * lag if lag >= 2 else 0.0 for lag in row_lags]
+
+    def observe_rows(self, req_ids, gammas, accepted) -> None:
+        """Per-request acceptance from a verified step (decode rows: γ_i drafted, accepted)."""
+        self.req_accept.observe(req_ids, gammas, accepted)
+
     def _extras(self, state: PlannerState) -> float:
         """Seconds per step every γ>0 arm pays beyond T̂: steady prompt prefill + spread catch-up."""
         ab = self.switch.coef()
@@ -390,7 +480,7 @@ class ModelNightjarPolicy(Policy):
         if r.gamma > 0:
             self._run += 1
             if r.accepted_per_pos:
-                self.accept.observe(r.accepted_per_pos, r.num_drafts or r.batch_size)
+                self.accept.observe(r.accepted_per_pos, r.num_drafts or r.batch_size, r.reached_per_pos)
         elif self._run:
             self.dwell = min(512.0, max(16.0, 0.9 * self.dwell + 0.1 * self._run))
             self._run = 0
@@ -399,7 +489,7 @@ class ModelNightjarPolicy(Policy):
 
     def _learn_time(self, r: StepTimed) -> None:
         b, g = r.batch_size, r.gamma
-        base = self.base_row(b)[g]
+        base = self.mixed_base(b, r.drafted_per_pos) if r.drafted_per_pos else self.base_row(b)[g]
         arm = self._ctx(bucket(b))[g]
         t = r.step_time_s
         if r.num_prefill_tokens > 0:
@@ -466,4 +556,4 @@ class ModelNightjarPolicy(Policy):
                 "accept_alarms": self.accept.alarms, "dwell": self.dwell,
                 "prefill_s_per_token": self.pf_nx / self.pf_xx if self.pf_xx else None,
                 "c_switch": None if ab is None else list(ab), "contexts": ctxs,
-                "decisions": self.decisions, "kv_decisions": self.kv_decisions}
+                "decisions": self.decisions, "kv_decisions": self.kv_decisions, "per_request": self.per_request}

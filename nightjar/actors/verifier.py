@@ -1,4 +1,4 @@
-"""Verifier: one target forward over every row (prefill chunks, decode tokens, γ+1 verify tokens),
+"""Verifier: one target forward over every row (prefill chunks, decode tokens, γ_i+1 verify tokens),
 rejection sampling with a bonus token, and the step's measured timing. Rejected slots are rolled
 back by counters (the batcher's num_computed); nothing is freed per rejected token."""
 from __future__ import annotations
@@ -171,17 +171,24 @@ class Verifier(Actor):
     def _results(self, toks, acc, drafted, verify_time):
         s = self.sched
         gamma = drafted.gamma if drafted else 0
+        gammas = drafted.gammas if drafted else ()
         flat = [t for row in toks for t in row]
         per_pos = tuple(sum(1 for a in acc[: s.num_decode] if a > i) for i in range(gamma))
         verified = StepVerified(step=s.step, gamma=gamma, req_ids=s.req_ids, counts=tuple(map(len, toks)),
-                                tokens=tuple(flat), accepted=tuple(acc), num_decode=s.num_decode)
+                                tokens=tuple(flat), accepted=tuple(acc), num_decode=s.num_decode, gammas=gammas)
+        drafted_pp = reached_pp = ()
+        if gammas:                       # per-row γ: who drafted / reached each position
+            drafted_pp = tuple(sum(1 for g in gammas if g > i) for i in range(gamma))
+            reached_pp = tuple(sum(1 for g, a in zip(gammas, acc) if g > i and a >= i) for i in range(gamma))
         timed = StepTimed(
             step=s.step, batch_size=s.num_decode, gamma=gamma,
             step_time_s=verify_time + (drafted.draft_time_s if drafted else 0.0),
             tokens_emitted=sum(len(t) for t in toks[: s.num_decode]), max_draft_lag=s.max_draft_lag,
             catchup_time_s=drafted.catchup_time_s if drafted else 0.0,
             catchup_tokens=drafted.catchup_tokens if drafted else 0, accepted_per_pos=per_pos,
-            num_drafts=sum(1 for i in range(s.num_decode) if s.speculate[i]) if gamma else 0,
+            num_drafts=(sum(1 for g in gammas if g) if gammas else
+                        sum(1 for i in range(s.num_decode) if s.speculate[i])) if gamma else 0,
             num_prefill_tokens=sum(len(c) for c in s.chunk_ids[s.num_decode:]),
+            drafted_per_pos=drafted_pp, reached_per_pos=reached_pp,
         )
         return [verified, timed]

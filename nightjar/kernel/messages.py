@@ -86,8 +86,11 @@ class StepScheduled(Msg, frozen=True):
 
 
 class StepPlanned(Msg, frozen=True):
+    """γ for the step: ``gamma`` = max γ_i; ``gammas`` one per decode row when the planner chose per-row
+    draft lengths (0 for rows that do not draft), empty when every speculating row drafts ``gamma``."""
     step: int
     gamma: int
+    gammas: tuple[int, ...] = ()
 
 
 class BlocksReserved(Msg, frozen=True):
@@ -96,16 +99,18 @@ class BlocksReserved(Msg, frozen=True):
     block_tables: tuple[tuple[int, ...], ...]   # one per scheduled row
     num_free: int
     num_total: int
+    gammas: tuple[int, ...] = ()     # per decode row, capped like gamma (empty: batch-level, see StepPlanned)
 
 
 class StepDrafted(Msg, frozen=True):
     step: int
     gamma: int
-    draft_tokens: tuple[int, ...]    # [num_decode * gamma] flattened, -1 for rows that did not draft
+    draft_tokens: tuple[int, ...]    # [num_decode * gamma] flattened, -1 past a row's γ_i / rows that did not draft
     handle: int                      # draft-prob buffer handle (sampling rows)
     draft_time_s: float
     catchup_time_s: float = 0.0
     catchup_tokens: int = 0
+    gammas: tuple[int, ...] = ()     # per decode row (empty: batch-level)
 
 
 class StepVerified(Msg, frozen=True):
@@ -117,6 +122,7 @@ class StepVerified(Msg, frozen=True):
     tokens: tuple[int, ...]          # flattened
     accepted: tuple[int, ...]        # accepted drafts per row
     num_decode: int
+    gammas: tuple[int, ...] = ()     # per decode row γ_i drafted (empty: batch-level)
 
 
 class StepTimed(Msg, frozen=True):
@@ -132,6 +138,8 @@ class StepTimed(Msg, frozen=True):
     accepted_per_pos: tuple[int, ...] = ()
     num_drafts: int = 0
     num_prefill_tokens: int = 0
+    drafted_per_pos: tuple[int, ...] = ()    # per-row γ only: rows that drafted position i (= ran pass i+1)
+    reached_per_pos: tuple[int, ...] = ()    # per-row γ only: rows that drafted position i with 0..i-1 accepted
 
 
 class TokensCommitted(Msg, frozen=True):

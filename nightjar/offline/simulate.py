@@ -22,7 +22,14 @@ from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.kernel.config import EngineConfig
 from nightjar.kernel.messages import SamplingSpec, SubmitRequest
 from nightjar.offline.sim.dispatch import SyncBus
-from nightjar.offline.sim.executors import DEFAULT_ACCEPTANCE, SimCollector, SimExecutor, SimTransfer, fit_acceptance
+from nightjar.offline.sim.executors import (
+    DEFAULT_ACCEPTANCE,
+    AcceptanceMix,
+    SimCollector,
+    SimExecutor,
+    SimTransfer,
+    fit_acceptance,
+)
 from nightjar.offline.sim.workload import Workload, make_workload
 
 
@@ -163,7 +170,7 @@ class Simulation:
             acceptance=c.accepted / c.drafted if c.drafted else None,
             offloads=getattr(w, "num_offloads", 0), reloads=getattr(w, "num_reloads", 0), steps=c.steps,
             extra={"preemptions": self.actors["batcher"].num_preemptions, "handled": self.bus.num_handled,
-                   "busy_s": self.executor.busy_s,
+                   "busy_s": self.executor.busy_s, "row_gamma": dict(sorted(c.row_gamma.items())),
                    "early_t": c.early_t or None,
                    "early_throughput": c.early_tokens / c.early_t if c.early_t > 0 else None},
         )
@@ -194,7 +201,13 @@ def load_profile(a: argparse.Namespace) -> Profile:
     return roofline_profile(a.gpu, a.model_shape, block_size=a.block_size, max_b=max(256, a.max_num_seqs))
 
 
-def acceptance_model(a: argparse.Namespace) -> tuple[float, ...]:
+def acceptance_model(a: argparse.Namespace):
+    """The shared per-position rates, or an AcceptanceMix of request classes (``--acceptance-mix``)."""
+    if a.acceptance_mix:
+        try:
+            return AcceptanceMix.parse(a.acceptance_mix)
+        except ValueError as e:
+            raise SystemExit(f"nightjar simulate: --acceptance-mix: {e}") from None
     if a.acceptance:
         vals = [float(x) for x in a.acceptance.split(",")]
         return tuple(vals + [vals[-1]] * max(0, a.gamma_max - len(vals)))
@@ -236,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not give the model-based planner the profile (it falls back to its generic prior)")
     e.add_argument("--acceptance", default=None, help="per-position acceptance rates, e.g. 0.8,0.75,0.7")
     e.add_argument("--fit-trace", default=None, help="fit per-position acceptance from a recorded trace")
+    e.add_argument("--acceptance-mix", default=None, metavar="W:R[,R..];W:R..",
+                   help="per-request acceptance (synthetic): request classes drawn by weight, e.g. "
+                        "'0.5:0.9;0.5:0.1' (half accept 0.9 per position, half 0.1)")
     p.add_argument("--trace-out", default=None, help="record the (first policy's) simulated bus to this trace")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     return p
@@ -253,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     planner_profile=not a.no_planner_profile)
     print(f"profile {profile.name}: {cfg.num_blocks or profile.num_blocks} KV blocks of {profile.block_size}, "
           f"draft {profile.draft_blocks} blocks; workload {a.workload}: {len(wl)} requests; "
-          f"acceptance {', '.join(f'{x:.2f}' for x in acc)}", file=sys.stderr)
+          f"acceptance {', '.join(f'{x:.2f}' for x in (acc.mean() if isinstance(acc, AcceptanceMix) else acc))}"
+          f"{' (mean of the request classes)' if isinstance(acc, AcceptanceMix) else ''}", file=sys.stderr)
     results = []
     for i, pol in enumerate(x.strip() for x in a.policies.split(",") if x.strip()):
         results.append(simulate(profile, wl, pol, cfg, acc, a.trace_out if i == 0 else None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
+from nightjar.actors.gamma_allocator import gamma_histogram, layer_counts, row_gammas
 from nightjar.actors.step_profile import Profile
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -51,6 +52,10 @@ class SimExecutor:
 
     def __init__(self, profile: Profile, acceptance, max_b: int, gamma_max: int, seed: int = 0):
         self.p = profile
+        self.mix = acceptance if isinstance(acceptance, AcceptanceMix) else None
+        if self.mix is not None:
+            self.mix = AcceptanceMix(self.mix.classes, seed, gamma_max)
+            acceptance = self.mix.mean()
         self.acc = tuple(acceptance) + (0.0,) * max(0, gamma_max - len(acceptance))
         self.T, self.Td = profile.tables(max_b, gamma_max + 1)
         self.rng = random.Random(seed)
@@ -65,12 +70,14 @@ class SimExecutor:
         if type(msg) is StepScheduled:
             self.sched = msg
         elif self.sched is not None and msg.step == self.sched.step:
-            dt, out = self._step(self.sched, msg.gamma)
+            dt, out = self._step(self.sched, msg.gamma, msg.gammas)
             self.busy_s += dt
             self.bus.at(now + dt, self.bus.publish, self.name, out)
         return None
 
-    def _step(self, s: StepScheduled, g: int):
+    def _step(self, s: StepScheduled, g: int, gammas: tuple[int, ...] = ()):
+        if gammas or self.mix is not None:
+            return self._step_rows(s, g, gammas)
         nd, p = s.num_decode, self.p
         rnd, acc = self.rng.random, self.acc
         counts, accepted = [], []
@@ -119,6 +126,95 @@ class SimExecutor:
         return verify + draft + catch_s + p.step_overhead_s, (verified, timed)
 
 
+    def _step_rows(self, s: StepScheduled, g: int, gammas: tuple[int, ...]):
+        """A step with per-row γ_i and/or per-request acceptance: draft pass k runs the n_k rows with
+        γ_i ≥ k; the verify forward costs T(B, 1) + Σ_k [T(n_k, k+1) − T(n_k, k)] (the batch-level
+        T(B, γ+1) when every row drafts γ)."""
+        nd, p, rnd = s.num_decode, self.p, self.rng.random
+        gam = row_gammas(g, gammas, s.speculate, nd)
+        counts, accepted, catch = [], [], 0
+        per_pos, reached = [0] * g, [0] * g
+        for i in range(nd):
+            gi = gam[i]
+            acc = self.mix.vector_for(s.req_ids[i]) if self.mix is not None else self.acc
+            a = 0
+            if gi:
+                while a < gi and rnd() < acc[a]:
+                    per_pos[a] += 1
+                    a += 1
+                for k in range(min(a, gi - 1) + 1):
+                    reached[k] += 1
+                lag = s.starts[i] - s.draft_computed[i]
+                if lag >= 2:
+                    catch += lag
+            counts.append(a + 1)
+            accepted.append(a)
+        emitted = sum(counts)
+        n_pre = 0
+        for j, done in enumerate(s.prefill_done):
+            n_pre += len(s.chunk_ids[nd + j])
+            counts.append(1 if done else 0)
+            accepted.append(0)
+        T, Td = self.T, self.Td
+        layers = layer_counts(gam, g)
+        verify = T[nd][1] + sum(T[n][k + 1] - T[n][k] for k, n in enumerate(layers, 1))
+        draft = sum(Td[n] for n in layers)
+        ctx = sum(s.starts) if p.kv_s_per_ctx_token else 0
+        verify += p.kv_s_per_ctx_token * ctx + p.prefill_s_per_token * n_pre
+        if nd == 0 and n_pre:
+            verify += T[1][1]
+        n_spec = sum(1 for x in gam if x)
+        catch_s = p.catchup_s(catch) if n_spec else 0.0
+        per_row = bool(gammas)
+        verified = StepVerified(step=s.step, gamma=g, req_ids=s.req_ids, counts=tuple(counts),
+                                tokens=self.tokens[:sum(counts)], accepted=tuple(accepted), num_decode=nd,
+                                gammas=gammas)
+        timed = StepTimed(step=s.step, batch_size=nd, gamma=g, step_time_s=verify + draft, tokens_emitted=emitted,
+                          max_draft_lag=s.max_draft_lag, catchup_time_s=catch_s, catchup_tokens=catch if n_spec else 0,
+                          accepted_per_pos=tuple(per_pos), num_drafts=n_spec if g else 0, num_prefill_tokens=n_pre,
+                          drafted_per_pos=layers if per_row else (), reached_per_pos=tuple(reached) if per_row else ())
+        return verify + draft + catch_s + p.step_overhead_s, (verified, timed)
+
+
+class AcceptanceMix:
+    """Per-request acceptance for the simulator (synthetic, labelled as such): request classes, each a
+    weight and a per-position conditional acceptance vector; a request's class is drawn once from its id
+    and the seed (the same requests get the same classes under every policy)."""
+
+    def __init__(self, classes, seed: int = 0, gamma_max: int = 0) -> None:
+        self.classes = [(float(w), tuple(v) + (v[-1],) * max(0, gamma_max - len(v))) for w, v in classes]
+        self.seed = seed
+        self.total = sum(w for w, _ in self.classes)
+        self._of: dict[int, tuple[float, ...]] = {}
+
+    def vector_for(self, req_id: int) -> tuple[float, ...]:
+        v = self._of.get(req_id)
+        if v is None:
+            u = random.Random(self.seed * 1_000_003 + req_id).random() * self.total
+            for w, v in self.classes:
+                u -= w
+                if u < 0:
+                    break
+            self._of[req_id] = v
+        return v
+
+    def mean(self) -> tuple[float, ...]:
+        n = max(len(v) for _, v in self.classes)
+        return tuple(sum(w * v[i] for w, v in self.classes) / self.total for i in range(n))
+
+    @classmethod
+    def parse(cls, spec: str) -> "AcceptanceMix":
+        """``W:R1,R2,..;W:R1,..`` e.g. ``0.5:0.9;0.5:0.1`` (a single rate repeats over positions)."""
+        classes = []
+        for part in spec.split(";"):
+            w, _, rates = part.partition(":")
+            vals = tuple(float(x) for x in rates.split(","))
+            if not rates or not all(0.0 <= x <= 1.0 for x in vals) or float(w) <= 0:
+                raise ValueError(f"acceptance class {part!r}: want WEIGHT:R1[,R2..] with rates in [0, 1]")
+            classes.append((float(w), vals))
+        return cls(classes)
+
+
 class _HostStub:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -159,6 +255,7 @@ class SimCollector:
         self.out_tokens = 0
         self.steps = self.gamma_sum = self.batch_sum = 0
         self.drafted = self.accepted = 0
+        self.row_gamma: dict[int, int] = {}      # γ_i → decode rows that drafted it
         self.transfers = 0
         self.t_last = 0.0
 
@@ -189,7 +286,10 @@ class SimCollector:
                 self.steps += 1
                 self.gamma_sum += msg.gamma
                 self.batch_sum += msg.batch_size
-                self.drafted += msg.num_drafts * msg.gamma
+                self.drafted += sum(msg.drafted_per_pos) if msg.drafted_per_pos else msg.num_drafts * msg.gamma
+                hist = gamma_histogram(msg.batch_size, msg.gamma, msg.num_drafts, msg.drafted_per_pos)
+                for k, n in enumerate(hist):
+                    self.row_gamma[k] = self.row_gamma.get(k, 0) + n
                 self.accepted += sum(msg.accepted_per_pos)
         elif t is SubmitRequest:
             self.arrival[msg.req_id] = now

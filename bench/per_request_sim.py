@@ -1,0 +1,97 @@
+"""Per-request γ_i (issue 17) in the simulator: a mixed workload, half high-acceptance and half low.
+
+  python bench/per_request_sim.py [--seeds 5] [--profiles cpu,a100] [--n 1,4,16,64] [--mix '0.5:0.9;0.5:0.1']
+
+The full control plane (real planner, batcher, KV pool) on the simulator, closed loop with N clients,
+per-request acceptance drawn per request from the classes of ``--mix`` (synthetic acceptance, labelled as
+such: each drafting row accepts position i with its class's rate). Profiles: the measured CPU profile
+(tests/actors/data/profile_cpu_bf16.json) and the A100-13B roofline. Every policy sees the same requests
+and classes (same seed). Prints, per profile and N, the median over seeds (and min) of throughput and
+mean-E2E ratios of ``nightjar:per-request`` against batch-level ``nightjar`` and against the best fixed γ
+(best by median throughput), and the share of decode rows per γ_i.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from nightjar.actors.step_profile import Profile, roofline_profile
+from nightjar.offline.sim.executors import AcceptanceMix
+from nightjar.offline.sim.workload import make_workload
+from nightjar.offline.simulate import SimConfig, Simulation
+
+CPU_PROFILE = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data" / "profile_cpu_bf16.json"
+FIXED = ("fixed:1", "fixed:2", "fixed:3", "fixed:4")
+BATCH, PER_ROW = "nightjar", "nightjar:per-request"
+
+
+def profiles(names: list[str]) -> dict[str, Profile]:
+    out = {}
+    for n in names:
+        out[n] = Profile.load(str(CPU_PROFILE)) if n == "cpu" else roofline_profile("a100", "13b")
+    return out
+
+
+def run_cell(prof: Profile, n: int, seed: int, mix: AcceptanceMix, policies) -> dict[str, tuple[float, float, dict]]:
+    wl = make_workload("poisson:1", seed=seed, num_requests=max(8, 6 * n), prompt_mean=64, output_mean=96,
+                       sigma=0.5, max_len=512)
+    cfg = SimConfig(gamma_max=4, seed=seed, closed_loop=n, max_num_seqs=64, max_model_len=512)
+    res = {}
+    for p in policies:
+        r = Simulation(prof, wl, p, cfg, mix).run()
+        res[p] = (r.throughput, r.mean_e2e_s, r.extra["row_gamma"])
+    return res
+
+
+def ratio_cell(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--profiles", default="cpu,a100")
+    p.add_argument("--n", default="1,4,16,64")
+    p.add_argument("--mix", default="0.5:0.9;0.5:0.1", help="request classes W:R;W:R (see nightjar simulate)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args()
+    mix = AcceptanceMix.parse(a.mix)
+    policies = (*FIXED, BATCH, PER_ROW)
+    rows = []
+    print(f"mixed workload {a.mix} (synthetic per-request acceptance), closed loop, {a.seeds} seeds; "
+          "ratios: median (min) over seeds\n")
+    print("| profile | N | best fixed | thr per-req / nightjar | thr per-req / best fixed | thr nightjar / best fixed "
+          "| E2E per-req / nightjar | E2E per-req / best fixed | rows γ_i=0..4 (per-req) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for pname, prof in profiles(a.profiles.split(",")).items():
+        for n in (int(x) for x in a.n.split(",")):
+            cells = [run_cell(prof, n, s, mix, policies) for s in range(a.seeds)]
+            thr = {q: [c[q][0] for c in cells] for q in policies}
+            e2e = {q: [c[q][1] for c in cells] for q in policies}
+            best = max(FIXED, key=lambda q: statistics.median(thr[q]))
+            hist: dict[int, int] = {}
+            for c in cells:
+                for k, v in c[PER_ROW][2].items():
+                    hist[k] = hist.get(k, 0) + v
+            tot = sum(hist.values()) or 1
+            share = "/".join(f"{100 * hist.get(k, 0) / tot:.0f}" for k in range(5))
+            r = {"profile": pname, "n": n, "best_fixed": best,
+                 "thr_vs_batch": [x / y for x, y in zip(thr[PER_ROW], thr[BATCH])],
+                 "thr_vs_fixed": [x / y for x, y in zip(thr[PER_ROW], thr[best])],
+                 "batch_thr_vs_fixed": [x / y for x, y in zip(thr[BATCH], thr[best])],
+                 "e2e_vs_batch": [x / y for x, y in zip(e2e[PER_ROW], e2e[BATCH])],
+                 "e2e_vs_fixed": [x / y for x, y in zip(e2e[PER_ROW], e2e[best])], "row_gamma_pct": share}
+            rows.append(r)
+            print(f"| {pname} | {n} | {best} | {ratio_cell(r['thr_vs_batch'])} | {ratio_cell(r['thr_vs_fixed'])} | "
+                  f"{ratio_cell(r['batch_thr_vs_fixed'])} | {ratio_cell(r['e2e_vs_batch'])} | "
+                  f"{ratio_cell(r['e2e_vs_fixed'])} | {share} |", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

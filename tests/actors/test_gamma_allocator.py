@@ -1,0 +1,224 @@
+"""Per-request γ_i (issue 17): the greedy allocator, per-request acceptance, the policy's per-row decision,
+the KV pool's per-row reservation and the batcher's per-row draft counters. Pure Python (no models).
+
+Acceptance here is synthetic (fixed rates per request class), labelled as such."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from nightjar.actors.batcher import Batcher
+from nightjar.actors.gamma_allocator import (
+    RequestAcceptance,
+    allocate,
+    gamma_histogram,
+    layer_counts,
+    row_gammas,
+)
+from nightjar.actors.kv import KVPoolActor
+from nightjar.actors.planner import Planner
+from nightjar.actors.policies import PlannerState
+from nightjar.actors.policy_factory import make_policy
+from nightjar.actors.step_profile import Profile, roofline_profile
+from nightjar.kernel.messages import (
+    RequestAdmitted,
+    SamplingSpec,
+    StepPlanned,
+    StepScheduled,
+    StepTimed,
+    StepVerified,
+)
+from nightjar.kvpool.blocks import BlockAllocator
+from nightjar.offline.sim.planner_env import expected_tokens_pos
+
+CPU = Profile.load(str(Path(__file__).parent / "data" / "profile_cpu_bf16.json"))
+A100 = roofline_profile("a100", "13b")
+G = 4
+
+
+def tables(prof, b):
+    tt = [[0.0] + [prof.target_time(n, q) if n else 0.0 for q in range(1, G + 2)] for n in range(b + 1)]
+    return tt, [prof.draft_time(n) if n else 0.0 for n in range(b + 1)]
+
+
+def gains_of(rate: float) -> list[float]:
+    return [rate ** k for k in range(1, G + 1)]
+
+
+def batch_best(prof, b: int, rate: float) -> int:
+    """The batch-level choice under the same model: argmin_γ base(B, γ) / (B·E(γ))."""
+    acc = (rate,) * G
+    loss = [(prof.target_time(b, g + 1) + g * prof.draft_time(b)) / (b * expected_tokens_pos(acc, g))
+            for g in range(G + 1)]
+    return min(range(G + 1), key=loss.__getitem__)
+
+
+# ---- the allocator ------------------------------------------------------------------------------
+@pytest.mark.parametrize("prof,b", [(CPU, 2), (CPU, 8), (CPU, 16), (CPU, 32), (CPU, 64), (A100, 64)],
+                         ids=["cpu-2", "cpu-8", "cpu-16", "cpu-32", "cpu-64", "a100-13b-64"])
+def test_two_request_classes_draft_deep_for_the_predictable_one_and_not_at_all_for_the_other(prof, b):
+    gains = [gains_of(0.9 if i % 2 == 0 else 0.1) for i in range(b)]
+    tt, dt = tables(prof, b)
+    out = allocate(gains, tt, dt, [1.0] * (G + 1), 0.0).gammas
+    assert all(g >= 3 for g in out[0::2]), out              # acceptance 0.9: deep
+    assert all(g == 0 for g in out[1::2]), out              # acceptance 0.1: none
+
+
+@pytest.mark.parametrize("b", [2, 8, 16, 32])
+def test_where_a_verified_token_is_almost_free_the_weak_class_rides_along_shallow(b):
+    """A100-13B roofline below the compute knee: once the strong rows run the draft passes, another row in
+    them costs microseconds, so even 0.1 per token pays for a token or two (and never more than the strong)."""
+    gains = [gains_of(0.9 if i % 2 == 0 else 0.1) for i in range(b)]
+    tt, dt = tables(A100, b)
+    out = allocate(gains, tt, dt, [1.0] * (G + 1), 0.0).gammas
+    assert all(g == 4 for g in out[0::2]) and all(1 <= g <= 2 for g in out[1::2]), out
+
+
+@pytest.mark.parametrize("prof", [CPU, A100], ids=["cpu", "a100-13b"])
+@pytest.mark.parametrize("b", [1, 3, 8, 16, 32, 64])
+@pytest.mark.parametrize("rate", [0.2, 0.4, 0.6, 0.8, 0.95])
+def test_equal_acceptance_gives_every_row_the_batch_level_gamma(prof, b, rate):
+    tt, dt = tables(prof, b)
+    out = allocate([gains_of(rate)] * b, tt, dt, [1.0] * (G + 1), 0.0).gammas
+    assert out == (batch_best(prof, b, rate),) * b
+
+
+def test_rows_that_may_not_draft_get_zero_and_a_fixed_cost_per_step_can_turn_drafting_off():
+    tt, dt = tables(CPU, 4)
+    out = allocate([gains_of(0.9), [], gains_of(0.9), []], tt, dt, [1.0] * (G + 1), 0.0).gammas
+    assert out[1] == out[3] == 0 and out[0] > 0
+    assert allocate([gains_of(0.9)] * 4, tt, dt, [1.0] * (G + 1), 10.0).gammas == (0,) * 4
+
+
+def test_the_message_helpers_expand_both_forms():
+    assert row_gammas(3, (), (True, False, True), 3) == (3, 0, 3)
+    assert row_gammas(3, (1, 0, 3), (True, True, True), 3) == (1, 0, 3)
+    assert layer_counts((1, 0, 3, 2), 4) == (3, 2, 1)
+    assert gamma_histogram(5, 2, 4, ()) == [1, 0, 4]                    # batch-level: 4 rows at γ=2, 1 at 0
+    assert gamma_histogram(4, 3, 3, (3, 2, 1)) == [1, 1, 1, 1]          # per-row: γ_i = 0, 1, 2, 3
+
+
+# ---- per-request acceptance ---------------------------------------------------------------------
+def test_a_request_s_own_history_moves_its_estimate_away_from_the_shared_one():
+    ra = RequestAcceptance(G)
+    shared = [0.5] * G
+    assert ra.gains(1, shared, G) == pytest.approx([0.5 ** k for k in range(1, G + 1)])   # new: the shared rate
+    for _ in range(10):
+        ra.observe((1, 2, 3), (4, 4, 0), (4, 0, 0))       # request 1 accepts everything, 2 nothing, 3 idle
+    g1, g2 = ra.gains(1, shared, G), ra.gains(2, shared, G)
+    assert g1[0] > 0.8 and g1[3] > 0.5
+    assert g2[0] < 0.2 and g2[1] < 0.1                   # never reached position 1: believed weak there too
+    assert ra.gains(3, shared, G) == pytest.approx(ra.gains(99, shared, G))
+    ra.forget({1})
+    assert set(ra.acc) == {1}
+
+
+def test_reached_positions_follow_the_drafted_length_and_the_first_rejection():
+    ra = RequestAcceptance(3, decay=1.0)
+    ra.observe((7,), (2,), (2,))          # drafted 2, accepted both: positions 0, 1 reached and accepted
+    ra.observe((7,), (3,), (1,))          # drafted 3, rejected position 1: positions 0, 1 reached
+    assert ra.n[7] == [2.0, 2.0, 0.0] and ra.acc[7] == [2.0, 1.0, 0.0]
+
+
+# ---- the policy ---------------------------------------------------------------------------------
+def state(prev=1):
+    return PlannerState(True, 0, prev, lag_tokens=0)
+
+
+@pytest.mark.parametrize("prof,b", [(CPU, 8), (CPU, 16)], ids=["cpu-8", "cpu-16"])
+def test_the_per_request_policy_learns_two_classes_online_and_splits_them(prof, b):
+    """Synthetic acceptance: the first half of the rows accept each draft with 0.9, the rest with 0.1."""
+    pol = make_policy("nightjar:per-request", gamma_max=G, profile=prof)
+    assert pol.per_request and pol.name == "nightjar:per-request"
+    rng, rids, h = random.Random(0), tuple(range(b)), b // 2
+    rates = [0.9] * h + [0.1] * h
+    for _ in range(60):
+        gam = pol.decide_rows(b, state(), rids, (True,) * b)
+        acc = []
+        for g, r in zip(gam, rates):
+            a = 0
+            while a < g and rng.random() < r:
+                a += 1
+            acc.append(a)
+        pol.observe_rows(rids, gam, acc)
+        per_pos = tuple(sum(1 for a in acc if a > i) for i in range(max(gam)))
+        reached = tuple(sum(1 for g, a in zip(gam, acc) if g > i and a >= i) for i in range(max(gam)))
+        layers = layer_counts(gam, G)
+        t = prof.target_time(b, 1) + sum(prof.target_time(n, k + 1) - prof.target_time(n, k) + prof.draft_time(n)
+                                         for k, n in enumerate(layers, 1))
+        pol.observe(StepTimed(step=0, batch_size=b, gamma=max(gam), step_time_s=t, tokens_emitted=b + sum(acc),
+                              accepted_per_pos=per_pos, num_drafts=sum(1 for g in gam if g),
+                              drafted_per_pos=layers, reached_per_pos=reached if layers else ()))
+    gam = pol.decide_rows(b, state(), rids, (True,) * b)
+    high, low = gam[:h], gam[h:]
+    assert min(high) >= 2 and sum(high) / h >= 3 and max(low) == 0, gam      # deep (own luck varies) / none
+
+
+@pytest.mark.parametrize("prof", [CPU, A100], ids=["cpu", "a100-13b"])
+@pytest.mark.parametrize("b", [1, 4, 16, 64])
+def test_with_no_per_request_history_the_per_request_policy_matches_the_batch_level_one(prof, b):
+    batch = make_policy("nightjar", gamma_max=G, profile=prof)
+    per = make_policy("nightjar:per-request", gamma_max=G, profile=prof)
+    want = batch.decide(b, state())
+    assert per.decide_rows(b, state(), tuple(range(b)), (True,) * b) == (want,) * b
+
+
+def test_the_policy_suffix_is_only_per_request():
+    with pytest.raises(ValueError, match="per-request"):
+        make_policy("nightjar:deep")
+    assert make_policy("nightjar-nooffload:per-request").elastic_memory is False
+    assert not make_policy("nightjar").per_request
+
+
+# ---- planner, KV pool and batcher ---------------------------------------------------------------
+def sched(step=1, n=3, speculate=(True, True, True)):
+    return StepScheduled(step=step, req_ids=tuple(range(1, n + 1)), starts=(10,) * n, chunk_ids=((5,),) * n,
+                         num_decode=n, draft_computed=(9,) * n, speculate=speculate, prefill_done=())
+
+
+def test_the_planner_sends_per_row_gammas_and_learns_from_verified_rows():
+    p = Planner("nightjar:per-request", G, 0, True, profile=CPU.to_json())
+    (planned,) = p.handle(sched(), 0.0)
+    assert isinstance(planned, StepPlanned) and len(planned.gammas) == 3 and planned.gamma == max(planned.gammas)
+    v = StepVerified(step=1, gamma=2, req_ids=(1, 2, 3), counts=(3, 1, 1), tokens=(5,) * 5, accepted=(2, 0, 0),
+                     num_decode=3, gammas=(2, 2, 0))
+    p.handle(v, 0.0)
+    assert p.policy.req_accept.n[1][:2] == [1.0, 1.0] and p.policy.req_accept.n[2][:2] == [1.0, 0.0]
+    batch = Planner("nightjar", G, 0, True, profile=CPU.to_json())
+    (planned,) = batch.handle(sched(), 0.0)
+    assert planned.gammas == () and batch.handle(v, 0.0) is None
+
+
+def test_the_kv_pool_reserves_per_row_and_caps_every_row_when_blocks_run_short():
+    kv = KVPoolActor(BlockAllocator(12, 4))
+    kv.handle(sched(), 0.0)
+    (res,) = kv.handle(StepPlanned(step=1, gamma=4, gammas=(4, 0, 2)), 0.0)
+    assert res.gamma == 4 and res.gammas == (4, 0, 2)
+    assert [len(t) for t in res.block_tables] == [4, 3, 4]        # 11+4, 11+0, 11+2 tokens in blocks of 4
+    kv2 = KVPoolActor(BlockAllocator(10, 4))
+    kv2.handle(sched(), 0.0)
+    (res2,) = kv2.handle(StepPlanned(step=1, gamma=4, gammas=(4, 0, 2)), 0.0)
+    assert res2.gammas == (1, 0, 1) and res2.gamma == 1           # 3 blocks per row fit: γ_i capped to 1
+
+
+def test_the_batcher_advances_each_row_s_draft_counter_by_its_own_gamma():
+    b = Batcher(num_blocks=64, block_size=4, max_num_seqs=8)
+    for rid in (1, 2, 3):
+        b.handle(RequestAdmitted(req_id=rid, prompt_ids=(1, 2, 3), sampling=SamplingSpec(max_tokens=50)), 0.0)
+    s = b.inflight
+    while s.num_decode < 3:                                # plain steps until all three decode
+        n = len(s.req_ids)
+        out = b.handle(StepVerified(step=s.step, gamma=0, req_ids=s.req_ids, counts=(1,) * n, tokens=(9,) * n,
+                                    accepted=(0,) * n, num_decode=s.num_decode), 0.0)
+        s = [m for m in out if isinstance(m, StepScheduled)][0]
+    n0 = {r: len(b.seqs[r].tokens) for r in (1, 2, 3)}
+    v = StepVerified(step=s.step, gamma=3, req_ids=s.req_ids, counts=(4, 2, 1), tokens=(9,) * 7,
+                     accepted=(3, 1, 0), num_decode=3, gammas=(3, 2, 0))
+    b.handle(v, 0.0)
+    seqs = b.seqs
+    dc0 = s.draft_computed[2]
+    assert [seqs[r].draft_computed for r in (1, 2)] == [n0[1] + 2, n0[2] + 1]   # n + min(a, γ_i − 1)
+    assert seqs[3].draft_computed == dc0                                       # γ_i = 0: unchanged
+    assert [seqs[r].num_computed for r in (1, 2, 3)] == [n0[1] + 3, n0[2] + 1, n0[3]]
