@@ -8,7 +8,8 @@ A step is what the verifier and the draft executor call: ``run_chunks`` (host la
 for B rows of q query tokens each (q=1 decode, q=γ+1 verify) at a context of --ctx tokens per row, all
 rows asking for logits of every token. Eager and graph runs alternate, --reps rounds of --steps steps
 each; the table reports the median round per step and the eager/graph ratio, measured side by side in
-one run, plus the largest |logits| difference between the two paths on the same step.
+one run, plus the largest |logits| difference between the two paths on the same step. "eager forward alone"
+runs the model on a layout built once (no host layout work): the part of the gain that is launch overhead.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from nightjar.actors.common import run_chunks  # noqa: E402
 from nightjar.bench.e2e_synthetic import random_model  # noqa: E402
 from nightjar.kvpool.cache import KVCache  # noqa: E402
+from nightjar.models import build_layout  # noqa: E402
 from nightjar.models.cuda_graph import GraphRunner  # noqa: E402
 
 BS = 16
@@ -46,11 +48,11 @@ def case(model, B: int, q: int, ctx: int, device: str):
     return cache, (chunks, [ctx] * B, tables, [q] * B)
 
 
-def round_ms(model, cache, args, steps: int, device: str) -> float:
+def round_ms(step, steps: int, device: str) -> float:
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        run_chunks(model, cache, BS, *args)
+        step()
     sync(device)
     return (time.perf_counter() - t0) * 1e3 / steps
 
@@ -59,24 +61,30 @@ def eager_only(model) -> None:
     model.__dict__.pop("graph_runner", None)        # run_chunks runs eagerly; the runner keeps its graphs
 
 
-def measure(model, B: int, q: int, a, device: str, capture: bool) -> tuple[float, float, float, dict]:
+def measure(model, B: int, q: int, a, device: str, capture: bool) -> tuple[dict[str, float], float, dict]:
+    """Median ms/step of: run_chunks eager, the eager forward alone (layout built once), run_chunks on graphs."""
     cache, args = case(model, B, q, a.ctx, device)
+    lay = build_layout(args[0], args[1], args[2], BS, args[3], device)
+    steps = {"eager": lambda: run_chunks(model, cache, BS, *args), "forward": lambda: model(lay, cache),
+             "graph": lambda: run_chunks(model, cache, BS, *args)}
     runner = GraphRunner(model, cache, max_batch=max(a.max_batch, B), max_q=q, max_model_len=a.ctx + q, capture=capture)
     eager_only(model)
     want = run_chunks(model, cache, BS, *args)                          # eager (also warms up)
     model.graph_runner = runner
     got = run_chunks(model, cache, BS, *args)                           # captures
     diff = float((got - want).abs().max())
-    eager, graph = [], []
+    times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(a.reps):                                             # interleaved rounds
-        eager_only(model)
-        eager.append(round_ms(model, cache, args, a.steps, device))
-        model.graph_runner = runner
-        graph.append(round_ms(model, cache, args, a.steps, device))
+        for name, step in steps.items():
+            if name == "graph":
+                model.graph_runner = runner
+            else:
+                eager_only(model)
+            times[name].append(round_ms(step, a.steps, device))
     stats = dict(runner.stats, bucket=next(iter(runner.entries)).batch if runner.entries else None)
     eager_only(model)
     runner.reset()
-    return statistics.median(eager), statistics.median(graph), diff, stats
+    return {k: statistics.median(v) for k, v in times.items()}, diff, stats
 
 
 def main(argv=None) -> int:
@@ -102,12 +110,15 @@ def main(argv=None) -> int:
         model.select_kernels(True)            # the Triton interpreter: the path graphs capture on CUDA
     print(f"# {a.shape} random target ({model.weight_bytes() / 1e9:.2f} GB bf16) on {device}; ctx {a.ctx}; "
           f"{a.reps} interleaved rounds x {a.steps} steps; {'captured graphs' if capture else 'NO capture (smoke)'}")
-    print("| B | bucket | q | eager ms/step | graph ms/step | eager/graph | max abs logit diff | runner |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| B | bucket | q | eager ms/step | eager forward alone | graph ms/step | eager/graph | forward/graph "
+          "| max abs logit diff | runner |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for B in (int(x) for x in a.batches.split(",")):
         for q in (int(x) for x in a.q.split(",")):
-            e, g, diff, stats = measure(model, B, q, a, device, capture)
-            print(f"| {B} | {stats['bucket']} | {q} | {e:.3f} | {g:.3f} | {e / g:.2f}x | {diff:.3g} | "
+            t, diff, stats = measure(model, B, q, a, device, capture)
+            e, f, g = t["eager"], t["forward"], t["graph"]
+            print(f"| {B} | {stats['bucket']} | {q} | {e:.3f} | {f:.3f} | {g:.3f} | {e / g:.2f}x | {f / g:.2f}x "
+                  f"| {diff:.3g} | "
                   f"{stats.get('captures', 0)} capture, {stats.get('replays', 0)} replays |", flush=True)
             if stats.get("eager", 0):
                 print(f"FAILED: B={B} q={q} fell back to eager {stats['eager']} times")
