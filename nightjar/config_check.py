@@ -6,6 +6,7 @@ from nightjar.kernel.config import EngineConfig
 from nightjar.sampling import ConfigError
 
 DTYPES = ("bfloat16", "float32", "float16")
+QUANTIZATIONS = ("none", "int8", "int4")
 MAX_GAMMA = 16
 POSITIVE = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue",
             "persist_steps", "trace_max_bytes")
@@ -45,6 +46,12 @@ def _dtype_device(c: EngineConfig) -> None:
         raise ConfigError("device", f"'cpu' or 'cuda[:N]', got {c.device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", "cuda was asked for but this machine has no CUDA device")
+    for name in ("quantization", "draft_quantization"):
+        mode = getattr(c, name)
+        if mode is not None and mode not in QUANTIZATIONS:
+            raise ConfigError(name, f"choose from {', '.join(QUANTIZATIONS)}; got {mode!r}")
+        if mode not in (None, "none") and dev.type != "cpu":
+            raise ConfigError(name, f"{mode} runs on CPU only (torch's packed CPU kernels); use none on {c.device}")
     if not isinstance(c.enforce_eager, bool):
         raise ConfigError("enforce_eager", f"must be true or false, got {c.enforce_eager!r}")
 

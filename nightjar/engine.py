@@ -33,8 +33,9 @@ from nightjar.kernel.messages import (
 )
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
-from nightjar.models import LoadedModel, load_draft, load_model
+from nightjar.models import LoadedModel
 from nightjar.models.cuda_graph import attach_graphs, detach_graphs
+from nightjar.models.quant import load_quantized
 from nightjar.sampling import EngineError, RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger("nightjar")
@@ -175,9 +176,11 @@ class Engine:
         c = self.config
         if self._loaded is not None:
             return self._loaded
-        target = load_model(c.model, c.dtype, c.device)
-        draft = load_draft(c.draft, target.config, c.dtype, c.device, c.seed) if c.policy != "off" else None
-        return target, draft
+        target = load_quantized(c.model, c.dtype, c.device, c.quantization)
+        if c.policy == "off":
+            return target, None
+        dq = c.quantization if c.draft_quantization is None else c.draft_quantization
+        return target, load_quantized(c.draft, c.dtype, c.device, dq, draft_for=target.config, seed=c.seed)
 
     def _build(self) -> None:
         c = self.config

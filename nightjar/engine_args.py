@@ -17,6 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "table:..., dsd, banditspec")
     g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="largest number of draft tokens per step")
     g.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--quantization", default=d.quantization, choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the target's layers (CPU only; docs/quantization.md)")
+    g.add_argument("--draft-quantization", default=d.draft_quantization, choices=["none", "int8", "int4"],
+                   help="the draft's quantization (default: as --quantization)")
     g.add_argument("--device", default=d.device, help="cpu or cuda")
     g.add_argument("--device-memory", type=float, default=d.device_memory,
                    help="memory budget for weights + KV: bytes (>1) or a fraction of the device (<=1)")
@@ -38,9 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    keys = ["model", "draft", "policy", "gamma_max", "dtype", "device", "device_memory", "num_blocks",
-            "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue", "seed",
-            "planner_profile", "enforce_eager"]
+    keys = ["model", "draft", "policy", "gamma_max", "dtype", "quantization", "draft_quantization", "device",
+            "device_memory", "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+            "max_queue", "seed", "planner_profile", "enforce_eager"]
     kw = {k: getattr(a, k) for k in keys}
     kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
     return kw

@@ -107,25 +107,25 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     if in_f % group:
         raise ValueError(f"int4: in_features {in_f} is not a multiple of the group size {group}")
     wg = w.detach().float().view(out_f, in_f // group, group)         # [out, G, g]
-    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)     # [out, G, 1]
     s_aff = ((hi - lo) / 15).clamp_min(1e-12)
-    z_aff = lo + 8 * s_aff
     peak = torch.where(hi.abs() > lo.abs(), hi, lo)                    # signed value of largest magnitude
     s_sym = torch.where(peak == 0, torch.ones_like(peak), -peak / 8)
-    z_sym = torch.zeros_like(s_sym)
-    best = None
-    for s, z in ((s_aff, z_aff), (s_sym, z_sym)):
-        s, z = s.to(w.dtype).float(), z.to(w.dtype).float()           # what the kernel will see
-        q = torch.round((wg - z) / s + 8).clamp(0, 15)
-        err = ((q - 8) * s + z - wg).pow(2).sum(-1, keepdim=True)      # [out, G, 1]
-        if best is None:
-            best = [q, s, z, err]
-        else:
-            take = err < best[3]
-            best = [torch.where(take, a, b) for a, b in zip((q, s, z, err), best)]
-    q, s, z, _ = best
+    fits = [_fit_int4(wg, s_aff, lo + 8 * s_aff, w.dtype), _fit_int4(wg, s_sym, torch.zeros_like(s_sym), w.dtype)]
+    take = fits[1][3] < fits[0][3]                                     # [out, G, 1]: the symmetric fit is better
+    q = torch.where(take, fits[1][0], fits[0][0])
+    s, z = torch.where(take, fits[1][1], fits[0][1]), torch.where(take, fits[1][2], fits[0][2])
     sz = torch.cat((s, z), dim=-1).transpose(0, 1).contiguous()      # [G, out, 2]
     return q.view(out_f, in_f).to(torch.uint8), sz.to(w.dtype)
+
+
+def _fit_int4(wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, dtype: torch.dtype):
+    """Codes of wg [out, G, g] on the grid (q - 8) * s + z (s, z rounded to ``dtype`` as the kernel sees
+    them) and each group's squared error [out, G, 1]. In-place arithmetic: fresh buffers are slow here."""
+    s, z = s.to(dtype).float(), z.to(dtype).float()
+    q = (wg - z).div_(s).add_(8).round_().clamp_(0, 15)
+    err = (q - 8).mul_(s).add_(z).sub_(wg).pow_(2).sum(-1, keepdim=True)
+    return q, s, z, err
 
 
 def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

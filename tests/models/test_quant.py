@@ -149,3 +149,29 @@ def test_every_policy_is_greedy_exact_with_a_quantized_target(make_engine, smol_
             assert got == ref, (mode, policy, bs)
             if policy.startswith("fixed"):
                 assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_bad_or_unsupported_quantization_is_a_config_error(monkeypatch):
+    from nightjar.config_check import check_config
+    from nightjar.kernel.config import EngineConfig
+    from nightjar.sampling import ConfigError
+
+    with pytest.raises(ConfigError, match="choose from none, int8, int4") as e:
+        check_config(EngineConfig(quantization="int3"), models=False)
+    assert e.value.flag == "--quantization"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="CPU only") as e:
+        check_config(EngineConfig(device="cuda", draft_quantization="int4"), models=False)
+    assert e.value.flag == "--draft-quantization"
+    check_config(EngineConfig(device="cuda"), models=False)           # none on CUDA is fine
+
+
+def test_generate_with_int4_serves_the_real_model_quantized(capsys):
+    import json
+
+    from nightjar.cli import main
+
+    assert main(["generate", "What is the capital of Italy?", "--quantization", "int4", "--policy", "off",
+                 "--draft", "none", "--max-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "Rome" in out["text"]
