@@ -393,6 +393,7 @@ def engine_run(pair, prompts, policy: str, runners: bool, monkeypatch, cycle: bo
 
 
 def test_engine_greedy_tokens_through_the_runner_equal_eager_with_an_offload_cycle(monkeypatch):
+    """off, fixed:3 with a draft offload/reload cycle, and per-request γ_i (verify rows of unequal length)."""
     from nightjar.models import LoadedModel
     from tests.conftest import perturbed
 
@@ -406,6 +407,8 @@ def test_engine_greedy_tokens_through_the_runner_equal_eager_with_an_offload_cyc
     plain, _ = engine_run(pair, prompts, "off", runners=True, monkeypatch=monkeypatch)
     spec, (t_stats, d_stats) = engine_run(pair, prompts, "fixed:3", runners=True, monkeypatch=monkeypatch,
                                           cycle=True)
-    assert plain == ref and spec == ref
+    per_row, (t_rows, _) = engine_run(pair, prompts, "nightjar:per-request", runners=True, monkeypatch=monkeypatch)
+    assert plain == ref and spec == ref and per_row == ref
     assert t_stats["replays"] > 0 and d_stats["replays"] > 0
     assert d_stats["resets"] >= 1                          # the offload dropped the draft's graphs
+    assert t_rows["replays"] > 0
