@@ -60,7 +60,7 @@ else
 fi
 
 section "kernel tests ($DEVICE)"
-run "kernel tests" 200 "$PY" -m pytest tests/triton_kernels -q -p no:cacheprovider -rs --durations=8
+run "kernel tests" 300 "$PY" -m pytest tests/triton_kernels -q -p no:cacheprovider -rs --durations=8
 
 section "kernel bench ($DEVICE)"
 run "kernel bench" 150 "$PY" bench/kernel_bench.py --device "$DEVICE"
