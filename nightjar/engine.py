@@ -55,7 +55,7 @@ class EngineStats:
         self.tokens_emitted += t.tokens_emitted
         if t.gamma:
             self.num_drafts += t.num_drafts
-            self.draft_tokens += t.num_drafts * t.gamma
+            self.draft_tokens += sum(t.drafted_per_pos) if t.drafted_per_pos else t.num_drafts * t.gamma
             self.accepted_tokens += sum(t.accepted_per_pos)
             pos = self.accepted_per_pos
             pos.extend([0] * (len(t.accepted_per_pos) - len(pos)))

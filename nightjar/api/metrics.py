@@ -13,6 +13,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from nightjar.actors.gamma_allocator import gamma_histogram
 from nightjar.kernel.messages import (
     DraftOffloaded,
     DraftReloaded,
@@ -48,8 +49,13 @@ class ServerMetrics:
                                         "Draft tokens accepted, by draft position (0-based).", ["position"], registry=r)
         for i in range(gamma_max):
             self.accepted_per_pos.labels(position=str(i))
-        self.spec_gamma = Histogram(p + "spec_gamma", "Draft length γ chosen per decode step.",
+        self.spec_gamma = Histogram(p + "spec_gamma", "Draft length γ chosen per decode step (max γ_i per-request).",
                                     buckets=tuple(range(0, 9)), registry=r)
+        self.spec_row_gamma = Counter(p + "spec_row_gamma", "Decode rows by the draft length γ_i they drafted "
+                                      "(per-request planner; batch-level: γ, 0 for rows that do not draft).",
+                                      ["gamma"], registry=r)
+        for i in range(gamma_max + 1):
+            self.spec_row_gamma.labels(gamma=str(i))
         self.generation_tokens = Counter(p + "generation_tokens", "Output tokens committed.", registry=r)
         # HTTP layer
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests.", registry=r)
@@ -118,10 +124,13 @@ class ServerMetrics:
     def _on_step(self, m: StepTimed) -> None:
         if m.batch_size > 0:
             self.spec_gamma.observe(m.gamma)
+            for g, n in enumerate(gamma_histogram(m.batch_size, m.gamma, m.num_drafts, m.drafted_per_pos)):
+                if n:
+                    self.spec_row_gamma.labels(gamma=str(g)).inc(n)
         if not m.gamma or not m.num_drafts:
             return
         self.num_drafts.inc(m.num_drafts)
-        self.num_draft_tokens.inc(m.num_drafts * m.gamma)
+        self.num_draft_tokens.inc(sum(m.drafted_per_pos) if m.drafted_per_pos else m.num_drafts * m.gamma)
         self.num_accepted.inc(sum(m.accepted_per_pos))
         for i, a in enumerate(m.accepted_per_pos):
             if a:

@@ -79,7 +79,7 @@ def phase_rows(tl: Timeline, num_phases: int = 10) -> list[dict]:
         lo, hi, last = span * i / num_phases, span * (i + 1) / num_phases, i == num_phases - 1
         steps = [s for t, s in tl.steps if _in(t, lo, hi, last)]
         dec = [s for s in steps if s.batch_size > 0]
-        drafted = sum(s.num_drafts * s.gamma for s in dec)
+        drafted = sum(sum(s.drafted_per_pos) if s.drafted_per_pos else s.num_drafts * s.gamma for s in dec)
         accepted = sum(sum(s.accepted_per_pos) for s in dec)
         free = [(f, n) for t, f, n in tl.free if _in(t, lo, hi, last)]
         rows.append({

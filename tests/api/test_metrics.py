@@ -14,7 +14,7 @@ EXPECTED = [
     "nightjar:kv_blocks_total", "nightjar:kv_blocks_free", "nightjar:generation_tokens", "nightjar:request_success",
     "nightjar:spec_gamma", "nightjar:draft_resident", "nightjar:draft_offloads", "nightjar:draft_reloads",
     "nightjar:draft_offload_seconds", "nightjar:draft_reload_seconds", "nightjar:kv_pool_resizes",
-    "nightjar:kv_blocks_migrated",
+    "nightjar:kv_blocks_migrated", "nightjar:spec_row_gamma",
 ]
 
 
@@ -127,3 +127,20 @@ def test_a_failing_tap_handler_never_raises_into_the_bus():
                     accepted_per_pos=(1, "x"), num_drafts=1)        # a malformed fact: sum() raises
     m.tap(Envelope(1, 0.0, "verifier", bad))
     m.tap(Envelope(2, 0.0, "verifier", bad))
+
+
+def test_the_per_row_gamma_distribution_counts_rows_of_both_step_forms():
+    from nightjar.api.metrics import ServerMetrics
+    from nightjar.kernel.bus import Envelope
+    from nightjar.kernel.messages import StepTimed
+
+    m = ServerMetrics(gamma_max=4)
+    batch = StepTimed(step=1, batch_size=5, gamma=2, step_time_s=0.01, tokens_emitted=7, accepted_per_pos=(2, 0),
+                      num_drafts=4)                                     # 4 rows at γ=2, 1 that does not draft
+    per_row = StepTimed(step=2, batch_size=4, gamma=3, step_time_s=0.01, tokens_emitted=6, accepted_per_pos=(2, 0, 0),
+                        num_drafts=3, drafted_per_pos=(3, 2, 1), reached_per_pos=(3, 2, 0))   # γ_i = 0, 1, 2, 3
+    m.tap(Envelope(1, 0.0, "verifier", batch))
+    m.tap(Envelope(2, 0.0, "verifier", per_row))
+    rows = {g: m.spec_row_gamma.labels(gamma=str(g))._value.get() for g in range(5)}
+    assert rows == {0: 2, 1: 1, 2: 5, 3: 1, 4: 0}
+    assert m.num_draft_tokens._value.get() == 4 * 2 + (3 + 2 + 1)
