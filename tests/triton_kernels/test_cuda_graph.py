@@ -294,8 +294,7 @@ def test_captured_graphs_replay_the_eager_logits_cuda(case):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         starts = [s + q for s, q in zip(starts, qs)]
     assert runner.stats["captures"] == 1 and runner.stats["replays"] == 2
-    live = sorted(live_slots(chunks, lens, tables))
-    torch.testing.assert_close(kv_at(cache, live), kv_at(ref_cache, live), atol=1e-4, rtol=1e-4)
+    # the whole cache, block 0 included: live writes match eager, padding wrote nothing
     torch.testing.assert_close(cache.segments[0].data, ref_cache.segments[0].data, atol=1e-4, rtol=1e-4)
 
 
