@@ -90,9 +90,9 @@ def build_app(engine_kwargs: dict, model_name: str, opts: ClusterOptions, app_na
 
 
 def start(engine_kwargs: dict, model_name: str, opts: ClusterOptions, app_name: str = APP_NAME,
-          ray_init_kwargs: dict | None = None) -> str:
+          ray_init_kwargs: dict | None = None, route_prefix: str = "/") -> str:
     """Start (or join, with ``opts.ray_address``) Ray, start Serve's HTTP proxy on ``opts.host:port``, deploy
-    and wait until every replica is up. Returns the endpoint URL."""
+    under ``route_prefix`` and wait until every replica is up. Returns the endpoint URL."""
     import ray
     from ray import serve
 
@@ -102,8 +102,8 @@ def start(engine_kwargs: dict, model_name: str, opts: ClusterOptions, app_name: 
         ray.init(address=opts.ray_address, include_dashboard=False, log_to_driver=True,
                  **(ray_init_kwargs or {}))
     serve.start(http_options={"host": opts.host, "port": opts.port})
-    serve.run(build_app(engine_kwargs, model_name, opts, app_name), name=app_name, route_prefix="/")
-    return f"http://{opts.host}:{opts.port}"
+    serve.run(build_app(engine_kwargs, model_name, opts, app_name), name=app_name, route_prefix=route_prefix)
+    return f"http://{opts.host}:{opts.port}{route_prefix.rstrip('/')}"
 
 
 def serve_cluster(engine_kwargs: dict, opts: ClusterOptions, log_level: str = "info") -> None:

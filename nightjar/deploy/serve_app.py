@@ -134,7 +134,9 @@ class Ingress:
         self.api_key, self.limit, self.board_name = api_key or None, max_body_bytes, board_name
 
     async def __call__(self, request: Request) -> Response:
-        path = request.url.path
+        path, root = request.url.path, request.scope.get("root_path", "")
+        if root and path.startswith(root):           # an app deployed under a route prefix
+            path = path[len(root):] or "/"
         try:
             core.check_auth(self.api_key, path, request.headers.get("authorization"))
             name, arg = core.route(request.method, path)
