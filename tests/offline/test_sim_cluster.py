@@ -78,3 +78,10 @@ def test_the_command_line_prints_the_cluster_and_its_replicas(capsys):
 def test_cluster_flag_mistakes_exit_2_with_one_line(capsys, argv, needle):
     assert cli_main(["simulate", "--gpu", "a100", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_closed_loop_clients_spread_over_the_replicas(profile):
+    wl = workload(1, 120)
+    res = ClusterSimulation(profile, wl, "nightjar", 2, "least-ongoing", SimConfig(closed_loop=8)).run()
+    assert res.finished == 120 and all(r.num_requests >= 50 for r in res.replicas)
+    assert max(r.mean_batch for r in res.replicas) <= 8

@@ -47,7 +47,7 @@ class ReplicaBus(SyncBus):
     def at(self, t: float, fn, *args) -> None:
         s = self.shared
         s.n += 1
-        heapq.heappush(s.heap, (t, s.n, fn, args))
+        heapq.heappush(s.heap, (t, s.n, self, fn, args))     # the bus whose FIFO ``fn`` feeds
 
 
 class Router:
@@ -114,6 +114,7 @@ class ClusterSimulation:
                 sim.executor.rng.seed(cfg.seed * 1_000_003 + r)
             self.sims.append(sim)
         self._prompts: dict[int, tuple[int, ...]] = {}
+        self._pending: list[ReplicaBus] = []
         self._i = 0
 
     def _rebind(self, sim, bus: ReplicaBus, r: int) -> None:
@@ -136,8 +137,9 @@ class ClusterSimulation:
         n = int(w.prompt_lens[i])
         prompt = self._prompts.get(n) or self._prompts.setdefault(n, (7,) * n)
         sp = SamplingSpec(max_tokens=int(w.output_lens[i]), ignore_eos=True)
-        self.sims[self.router.pick()].bus.publish("client", [SubmitRequest(req_id=i + 1, prompt_ids=prompt,
-                                                                             sampling=sp)])
+        bus = self.sims[self.router.pick()].bus
+        bus.publish("client", [SubmitRequest(req_id=i + 1, prompt_ids=prompt, sampling=sp)])
+        self._pending.append(bus)
         self._i += 1
 
     def _arrive(self) -> None:
@@ -148,7 +150,7 @@ class ClusterSimulation:
     def shared_at(self, t: float, fn) -> None:
         s = self.shared
         s.n += 1
-        heapq.heappush(s.heap, (t, s.n, fn, ()))
+        heapq.heappush(s.heap, (t, s.n, None, fn, ()))
 
     def run(self) -> ClusterResult:
         t0 = time.perf_counter()
@@ -160,15 +162,18 @@ class ClusterSimulation:
                                                                            len(self.workload)))])
         elif len(self.workload):
             self.shared_at(float(self.workload.times[0]), self._arrive)
-        heap, clock, pop = self.shared.heap, self.shared.clock, heapq.heappop
+        heap, clock, pop, pending = self.shared.heap, self.shared.clock, heapq.heappop, self._pending
         for b in buses:
             b.run()                                  # drains its FIFO (its own timer list stays empty)
         while heap:
-            t, _, fn, args = pop(heap)
+            t, _, bus, fn, args = pop(heap)
             if t > clock.t:
                 clock.t = t
             fn(*args)
-            for b in buses:
+            if bus is not None and bus.queue:
+                bus.run()
+            while pending:                           # buses the router just fed (arrivals, closed loop)
+                b = pending.pop()
                 if b.queue:
                     b.run()
         return self._result(time.perf_counter() - t0)
