@@ -12,13 +12,13 @@ quantization (tests/models/test_quant.py checks this against the raw Q4_1 blocks
 scales cannot be expressed by per-channel int8 scales: int8 requantizes.
 
 The packed kernels are GEMV-shaped: their time grows about linearly in the rows M of x. Past
-``PACKED_MAX_ROWS`` rows (prefill chunks, large batches) a layer dequantizes its weight once per call and
-runs one dense GEMM instead. The LM head is not quantized (see docs/quantization.md for the measurement).
+``PACKED_MAX_ROWS`` rows (prefill chunks, large batches) a layer dequantizes its weight once per call (in
+the activations' dtype) and runs one dense GEMM instead. The LM head is not quantized (see
+docs/quantization.md for the measurements).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 MODES = ("none", "int8", "int4")
@@ -58,7 +58,7 @@ class QuantLinear(nn.Module):
         """x [..., in] -> [..., out] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                          # [M, in]
         if x2.shape[0] > PACKED_MAX_ROWS:
-            y = F.linear(x2, self.dequantize().to(x.dtype))
+            y = x2 @ self.weight_t(x.dtype)                              # [M, out]
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
         else:
@@ -80,6 +80,21 @@ class QuantLinear(nn.Module):
         q = self.codes().view(n, k // g, g).float()                   # [out, in/g, g]
         sz = self.scales.transpose(0, 1).float()                      # [out, in/g, 2]
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(self.scales.dtype)
+
+    def weight_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """W^T [in, out] in ``dtype`` for one dense GEMM (long chunks), formed in ``dtype``. For int4 the
+        packed layout unpacks into W^T without a transposing copy (rows in blocks of 64; else via codes())."""
+        if self.mode == "int8":
+            return self.qweight.t().to(dtype) * self.scales.to(dtype)      # [in, out] (strides of W)
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if n % 64:
+            return self.dequantize().to(dtype).t()
+        b = self.qweight.view(n // 64, k, 32).transpose(0, 1)           # [in, blocks, 32]
+        q = torch.empty(k, n // 64, 2, 32, dtype=dtype)                 # [in, blocks, lo/hi, 32] = [in, out]
+        q[:, :, 0] = b & 15
+        q[:, :, 1] = b >> 4
+        sz = self.scales.to(dtype)                                      # [in/g, out, 2]
+        return q.view(k // g, g, n).sub_(8).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1]).view(k, n)
 
     @property
     def nbytes(self) -> int:
