@@ -1,4 +1,5 @@
 """Planner cost per decision (issue 13 budget: <= 20 µs, pure Python): decide() and observe() separately.
+``nightjar:per-request`` is timed on decide_rows() (one γ_i per row, B cycling 1..64, mean 32.5 rows).
 
   python bench/planner_cost.py [--calls 20000] [--policies nightjar,nightjar-paper,dsd] [--repeats 3]
 
@@ -24,13 +25,21 @@ PROFILE = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data" /
 
 
 def warmed(spec: str, prof: Profile):
-    opts = {"profile": prof} if spec in ("nightjar", "nightjar-nooffload") else {}
+    opts = {"profile": prof} if spec.split(":")[0] in ("nightjar", "nightjar-nooffload") else {}
     pol = make_policy(spec, gamma_max=4, seed=0, **opts)
     env, rng = PlannerEnv(prof, WEAK), random.Random(0)
     results = []
+    rows = getattr(pol, "per_request", False)
     for t in range(2000):
         b = 1 + (t * 7) % 64
-        r = env.step(b, pol.decide(b, PlannerState(True, 0, 1, lag_tokens=0)), rng)
+        if rows:                 # per-request: per-row γ_i, and per-request acceptance from 128 live ids
+            ids = tuple((t // 8 + i) % 128 for i in range(b))
+            gam = pol.decide_rows(b, PlannerState(True, 0, 1, lag_tokens=0), ids, (True,) * b)
+            g = max(gam)
+            pol.observe_rows(ids, gam, tuple(min(x, rng.randint(0, 4)) for x in gam))
+        else:
+            g = pol.decide(b, PlannerState(True, 0, 1, lag_tokens=0))
+        r = env.step(b, g, rng)
         pol.observe(r)
         results.append(r)
     return pol, results
@@ -42,8 +51,17 @@ def time_calls(pol, results, calls: int) -> tuple[float, float]:
                            draft_blocks=120, max_batch=64) for i in range(64)]
     sizes = [1 + (i * 13) % 64 for i in range(64)]
     t0 = time.perf_counter()
-    for i in range(calls):
-        pol.decide(sizes[i & 63], states[i & 63])
+    if getattr(pol, "per_request", False):
+        ids = [tuple((j * 5 + i) % 128 for i in range(sizes[j])) for j in range(64)]
+        spec = [(True,) * sizes[j] for j in range(64)]
+        lags = [[(i % 7 == 0) * 3 for i in range(sizes[j])] for j in range(64)]
+        t0 = time.perf_counter()
+        for i in range(calls):
+            j = i & 63
+            pol.decide_rows(sizes[j], states[j], ids[j], spec[j], lags[j])
+    else:
+        for i in range(calls):
+            pol.decide(sizes[i & 63], states[i & 63])
     t1 = time.perf_counter()
     n = len(results)
     for i in range(calls):

@@ -2,15 +2,17 @@
 
 * ``RequestAcceptance``: per request, discounted per-position counts from its own last few drafting steps
   (accepted_i / reached_i, each step's counts decayed by ``decay``), shrunk toward the planner's shared
-  rate by ``prior_weight`` pseudo-samples: ρ_{r,i} = (a_i + w·ρ_i) / (n_i + w). A request that does not
-  draft (γ_i = 0) forgets its counts slowly (``idle_decay`` per step), so it drifts back to the shared
-  rate and is re-tried. A new request starts at the shared rate. (No context-length feature.)
+  rate by ``prior_weight`` pseudo-samples: ρ_{r,i} = (a_i + w·s_r·ρ_i) / (n_i + w), s_r the request's
+  scale (its accepted drafts over what the shared rates expected where it drafted, shrunk to 1). A
+  request that does not draft (γ_i = 0) forgets its counts slowly (``idle_decay`` per step), so it
+  drifts back toward the shared rate and is re-tried. A new request starts at the shared rate.
+  (No context-length feature.)
 * ``allocate``: row i's k-th draft token is worth g_{i,k} = Π_{j≤k} ρ_{i,j} expected tokens. Tokens are
   taken in order of g (largest first; g is non-increasing in k, so each row's tokens come in order) and
-  every prefix of that order is priced with the step-time model, whose cost depends on the tokens
-  verified and on the draft passes (pass k runs the n_k rows with γ_i ≥ k):
+  every prefix of that order, and every uniform γ_i = γ, is priced with the step-time model, whose cost
+  depends on the tokens verified and on the draft passes (pass k runs the n_k rows with γ_i ≥ k):
       base = target(B, 1) + Σ_k [target(n_k, k+1) − target(n_k, k) + draft(n_k)]
-  (for γ_i = γ on every row this is the batch-level base(B, γ) exactly). The prefix with the fewest
+  (for γ_i = γ on every row this is the batch-level base(B, γ) exactly). The candidate with the fewest
   seconds per expected token wins: tokens are added while they pay, and a draft pass's fixed cost is
   judged by the whole layer it buys, not by its first token. Rows whose tokens at a depth are worth the
   same (e.g. requests with no history yet) move together, so with equal acceptance the candidates are
@@ -87,22 +89,36 @@ class RequestAcceptance:
         accepted drafts and Ê what the shared rates expected at the positions it reached: a request that
         rejects at position 0 is believed weaker at positions it never reached too (the shared rate at deep
         positions comes mostly from requests that got there)."""
-        acc, n = self.acc.get(rid), self.n.get(rid)
-        out, p, w = [], 1.0, self.w
-        if acc is None:
-            for i in range(top):
-                p *= shared[i]
-                out.append(p)
-            return out
-        a_sum = e_sum = 0.0
-        for i in range(self.g):
-            a_sum += acc[i]
-            e_sum += n[i] * shared[i]
-        scale = (a_sum + w) / (e_sum + w)
+        return self.gains_rows((rid,), (True,), shared, top)[0]
+
+    def gains_rows(self, rids, speculate, shared: list[float], top: int) -> list[list[float]]:
+        """``gains`` for every row ([] for rows that may not draft): the planner's hot path."""
+        fresh, p = [], 1.0
         for i in range(top):
-            r = (acc[i] + w * min(0.995, shared[i] * scale)) / (n[i] + w)
-            p *= r
-            out.append(p)
+            p *= shared[i]
+            fresh.append(p)
+        w, g, acc_of, n_of = self.w, self.g, self.acc, self.n
+        rng = range(top)
+        out = []
+        for rid, sp in zip(rids, speculate):
+            if not sp:
+                out.append([])
+                continue
+            acc = acc_of.get(rid)
+            if acc is None:
+                out.append(fresh)
+                continue
+            n = n_of[rid]
+            e_sum = 0.0
+            for i in range(g):
+                e_sum += n[i] * shared[i]
+            scale = (sum(acc) + w) / (e_sum + w)
+            row, p = [], 1.0
+            for i in rng:
+                r = shared[i] * scale
+                p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
+                row.append(p)
+            out.append(row)
         return out
 
 
@@ -129,32 +145,66 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     B = len(gains)
     base0 = target[B][1]
     zero = factor[0] * base0 / B
-    order = sorted(((g, k, i) for i, row in enumerate(gains) for k, g in enumerate(row, 1)),
-                   key=lambda x: -x[0])
+    order = []
+    for i, row in enumerate(gains):
+        for k, g in enumerate(row, 1):
+            order.append((-g, k, i))
+    order.sort()                                # largest gain first; ties: shallower, then lower row
     n = [0] * (len(factor) + 1)                 # n[k]: rows with γ_i ≥ k so far
-    layers = 0.0                                 # Σ_k target and draft increments at the current n_k
+    held = [0.0] * (len(factor) + 1)            # depth k's cost at n[k] rows: T(n,k+1) − T(n,k) + draft(n)
+    layers = 0.0                                 # Σ_k held[k]
     tokens, rx, deepest = float(B), 0.0, 0
     best, best_m, best_on = zero, 0, float("inf")
     last = len(order)
-    for m, (g, k, i) in enumerate(order, 1):
-        c = n[k]
-        layers += (target[c + 1][k + 1] - target[c + 1][k] + draft[c + 1]) - (
-            (target[c][k + 1] - target[c][k] + draft[c]) if c else 0.0)
-        n[k] = c + 1
-        tokens += g
+    for m in range(last):
+        ng, k, i = order[m]
+        c = n[k] + 1
+        tc = target[c]
+        h = tc[k + 1] - tc[k] + draft[c]
+        layers += h - held[k]
+        held[k], n[k] = h, c
+        tokens -= ng
         if k == 1 and row_extra is not None:
             rx += row_extra[i]
         if k > deepest:
             deepest = k
-        if m < last and order[m][1] == k and order[m][0] >= g * (1.0 - 1e-9):
-            continue                            # rows tied with this one at this depth move together
+        if m + 1 < last:
+            nxt = order[m + 1]
+            if nxt[1] == k and nxt[0] <= ng * (1.0 - 1e-9):
+                continue                        # rows tied with this one at this depth move together
         s = (factor[deepest] * (base0 + layers) + extra + rx) / tokens
         if s < best_on:
             best_on = s
         if s < best:
-            best, best_m = s, m
+            best, best_m = s, m + 1
     out = [0] * B
-    for g, k, i in order[:best_m]:
+    for _, k, i in order[:best_m]:
         if k > out[i]:
             out[i] = k
-    return Allocation(tuple(out), best, zero, best_on)
+    u, us = _best_uniform(gains, target, draft, factor, extra, row_extra)
+    if us < best:                               # γ_i = γ on every drafting row beats the greedy prefixes
+        return Allocation(u, us, zero, min(best_on, us))
+    return Allocation(tuple(out), best, zero, min(best_on, us))
+
+
+def _best_uniform(gains, target, draft, factor, extra, row_extra) -> tuple[tuple[int, ...], float]:
+    """The batch-level candidates: every row that may draft gets the same γ ≥ 1; (γ_i, score) of the best."""
+    B = len(gains)
+    rows = [i for i, g in enumerate(gains) if g]
+    nr = len(rows)
+    if not nr:
+        return (0,) * B, float("inf")
+    top = min(len(gains[i]) for i in rows)
+    rx = sum(row_extra[i] for i in rows) if row_extra is not None else 0.0
+    tn, layers, tokens = target[nr], 0.0, float(B)
+    best, best_g = float("inf"), 0
+    for k in range(1, top + 1):
+        layers += tn[k + 1] - tn[k] + draft[nr]
+        tokens += sum(gains[i][k - 1] for i in rows)
+        s = (factor[k] * (target[B][1] + layers) + extra + rx) / tokens
+        if s < best:
+            best, best_g = s, k
+    out = [0] * B
+    for i in rows:
+        out[i] = best_g
+    return tuple(out), best

@@ -27,6 +27,11 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
   pays the catch-up of the *generated*-token lag (prompt tokens excluded: (a) covers them), spread over
   the expected dwell (EMA of past γ>0 run lengths). C_catch is the catch-up line learned from
   ``catchup_time_s`` (seeded from the profile).
+* **Per-row γ_i** (``nightjar:per-request``, ``decide_rows``): the same T̂ pieces price a mixed step
+  (``mixed_base``: draft pass k over the rows with γ_i ≥ k) and ``gamma_allocator.allocate`` hands out
+  γ_i from per-request acceptance (shrunk toward the shared optimistic rates). Not drafting at all is
+  priced without optimism (its arm is rarely played when some row drafts); switching on or off needs a
+  ``hysteresis`` margin; the memory term still credits γ=0.
 * **Memory** (``elastic_memory`` only): when requests wait and the pool cannot take one more, γ=0 is
   credited with the batch the draft's blocks would admit: loss(0) = min(loss(0), T̂(B', 0) / B'),
   B' = B + min(waiting, draft_blocks / blocks-per-request, max_batch − B). The weight mover offloads
@@ -395,9 +400,10 @@ class ModelNightjarPolicy(Policy):
             _extrapolate(ts, arms)
         z, G = self.z, self.gamma_max
         factor = [t * (1.0 - z * se) / base for (t, se), base in zip(ts, row)]
+        factor[0] = ts[0][0] / row[0]           # no optimism for not drafting at all (see docs/planner.md)
         shared = self.accept.rate_hi
         ra = self.req_accept
-        gains = [ra.gains(rid, shared, G) if sp else [] for rid, sp in zip(req_ids, speculate)]
+        gains = ra.gains_rows(req_ids, speculate, shared, G)
         extra, row_extra = self._row_extras(state, row_lags)
         tt, dt = self._tables(b)
         alloc = allocate(gains, tt, dt, factor, extra, row_extra)
@@ -406,10 +412,10 @@ class ModelNightjarPolicy(Policy):
         if self.kv_cost and self.elastic_memory:
             zero = min(zero, self._kv_alt(b, state))
         if any(out):
-            h = self.hyst_onoff if state.prev_gamma == 0 else 0.0
+            h = self.hyst if state.prev_gamma == 0 else 0.0
             if not alloc.score < (1.0 - h) * zero:
                 out = (0,) * b
-        elif state.prev_gamma > 0 and not zero < (1.0 - self.hyst_onoff) * alloc.best_on_score:
+        elif state.prev_gamma > 0 and not zero < (1.0 - self.hyst) * alloc.best_on_score:
             out = self._keep_on(gains, tt, dt, factor, extra, row_extra)
         self._cur[c] = max(out, default=0)
         self.decisions += 1

@@ -208,10 +208,13 @@ class AcceptanceMix:
         classes = []
         for part in spec.split(";"):
             w, _, rates = part.partition(":")
-            vals = tuple(float(x) for x in rates.split(","))
-            if not rates or not all(0.0 <= x <= 1.0 for x in vals) or float(w) <= 0:
+            try:
+                weight, vals = float(w), tuple(float(x) for x in rates.split(","))
+            except ValueError:
+                weight, vals = 0.0, ()
+            if not vals or not all(0.0 <= x <= 1.0 for x in vals) or weight <= 0:
                 raise ValueError(f"acceptance class {part!r}: want WEIGHT:R1[,R2..] with rates in [0, 1]")
-            classes.append((float(w), vals))
+            classes.append((weight, vals))
         return cls(classes)
 
 
