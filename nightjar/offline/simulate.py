@@ -207,7 +207,7 @@ def acceptance_model(a: argparse.Namespace):
         try:
             return AcceptanceMix.parse(a.acceptance_mix)
         except ValueError as e:
-            raise SystemExit(f"nightjar simulate: --acceptance-mix: {e}") from None
+            raise ValueError(f"--acceptance-mix: {e}") from None
     if a.acceptance:
         vals = [float(x) for x in a.acceptance.split(",")]
         return tuple(vals + [vals[-1]] * max(0, a.gamma_max - len(vals)))
