@@ -1,8 +1,18 @@
 """Median target step time T(B, q) at a fixed context, beside the memory-bandwidth floor.
 
     python bench/step_times.py [--model smollm2-135m] [--dtype bfloat16] [--context 256] [--reps 7]
+                               [--variants served] [--batches 1,4,16] [--queries 1,5]
 
-The floor is weight bytes / measured copy bandwidth (a large tensor copy on the same device).
+Variants, all built from the same checkpoint and timed interleaved (call by call, round robin) so that a
+noisy machine slows them alike:
+  plain   separate q/k/v and gate/up projections, plain ``F.linear`` (the engine before fusion)
+  fused   q/k/v and gate/up fused into one GEMM each
+  served  what the engine serves: fused, plus oneDNN-packed weights on a bf16 CPU (models/cpu_linear.py)
+With several variants the table prints each one's median and its ratio to the first.
+
+The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);
+the packed LM head of a tied-embedding model is a second copy of the embedding but the step reads only one
+of them, so the floor counts the parameters once.
 """
 from __future__ import annotations
 
@@ -13,7 +23,10 @@ import time
 import torch
 
 from nightjar.kvpool.cache import KVCache
-from nightjar.models import build_layout, load_model
+from nightjar.models import build_layout, parse_dtype, resolve_model_path
+from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
+
+VARIANTS = ("plain", "fused", "served")
 
 
 def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
@@ -36,22 +49,50 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def step_time(model, B: int, q: int, ctx: int, reps: int, device: str) -> float:
-    c, bs = model.cfg, 16
-    nb = (ctx + q) // bs + 1
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, bs, B * nb, model.dtype, device)
-    tables = [tuple(range(b * nb, (b + 1) * nb)) for b in range(B)]
-    lay = build_layout([[5] * q] * B, [ctx] * B, tables, bs, [q] * B, device=device)
-    for _ in range(2):
-        model(lay, cache)
-    ts = []
-    for _ in range(reps):
-        _sync(device)
+def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict:
+    path = resolve_model_path(spec)
+    if path.suffix == ".gguf":
+        cfg, state, _ = read_gguf_state(path)
+    else:
+        cfg, state = read_safetensors_state(path)
+    models = {}
+    for name in names:
+        model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
+        if name == "served":
+            model.pack_cpu_weights()
+        models[name] = model
+    return models
+
+
+class Step:
+    """One (B, q) decode/verify batch at a fixed context, ready to run on any variant."""
+
+    def __init__(self, cfg, B: int, q: int, ctx: int, dtype, device: str):
+        bs = 16
+        nb = (ctx + q) // bs + 1
+        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs, B * nb, dtype, device)
+        tables = [tuple(range(b * nb, (b + 1) * nb)) for b in range(B)]
+        self.lay = build_layout([[5] * q] * B, [ctx] * B, tables, bs, [q] * B, device=device)
+        self.device = device
+
+    def time(self, model) -> float:
+        _sync(self.device)
         t0 = time.perf_counter()
-        model(lay, cache)
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        model(self.lay, self.cache)
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+
+def interleaved(models: dict, step: Step, reps: int) -> dict[str, float]:
+    """Median seconds per variant, timing the variants in turn within every repetition."""
+    for m in models.values():
+        for _ in range(2):
+            step.time(m)
+    ts = {name: [] for name in models}
+    for _ in range(reps):
+        for name, m in models.items():
+            ts[name].append(step.time(m))
+    return {name: statistics.median(t) for name, t in ts.items()}
 
 
 def main(argv=None) -> None:
@@ -63,18 +104,39 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--queries", default="1,2,3,5")
+    ap.add_argument("--variants", default="served", help=f"comma-separated, from {','.join(VARIANTS)}")
     a = ap.parse_args(argv)
-    model = load_model(a.model, a.dtype, a.device).model
+    names = a.variants.split(",")
+    if any(n not in VARIANTS for n in names):
+        ap.error(f"--variants: choose from {','.join(VARIANTS)}")
+    models = build_variants(a.model, a.dtype, a.device, names)
+    first = models[names[0]]
     bw = copy_bandwidth(a.device)
-    floor = model.weight_bytes() / bw
+    nbytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in first.parameters()}.values())
+    nbytes = max(nbytes, models[names[-1]].weight_bytes() - _tied_copy(models[names[-1]]))
+    floor = nbytes / bw
     Bs, qs = [int(x) for x in a.batches.split(",")], [int(x) for x in a.queries.split(",")]
-    print(f"# {a.model} {a.dtype} on {a.device}, context {a.context}: weights {model.weight_bytes() / 1e6:.1f} MB, "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor * 1e3:.2f} ms")
-    print("| B | " + " | ".join(f"q={q} (ms)" for q in qs) + " | q=1 / floor |")
-    print("|---|" + "---|" * (len(qs) + 1))
+    print(f"# {a.model} {a.dtype} on {a.device}, context {a.context}: weights read per step {nbytes / 1e6:.1f} MB, "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor * 1e3:.2f} ms; variants {', '.join(names)} "
+          f"(interleaved, median of {a.reps})")
+    cols = [f"q={q} {n} (ms)" for q in qs for n in names]
+    extra = [f"q=1 {n}/{names[0]}" for n in names[1:]] + [f"q=1 {names[-1]} / floor"]
+    print("| B | " + " | ".join(cols + extra) + " |")
+    print("|---|" + "---|" * (len(cols) + len(extra)))
     for B in Bs:
-        row = [step_time(model, B, q, a.context, a.reps, a.device) for q in qs]
-        print(f"| {B} | " + " | ".join(f"{t * 1e3:.1f}" for t in row) + f" | {row[0] / floor:.2f}x |", flush=True)
+        row = {q: interleaved(models, Step(first.cfg, B, q, a.context, first.dtype, a.device), a.reps) for q in qs}
+        cells = [f"{row[q][n] * 1e3:.1f}" for q in qs for n in names]
+        q1 = row[qs[0]]
+        cells += [f"{q1[n] / q1[names[0]]:.2f}x" for n in names[1:]] + [f"{q1[names[-1]] / floor:.2f}x"]
+        print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _tied_copy(model) -> int:
+    """Bytes of a packed LM head that duplicates a tied embedding (held, but not read twice per step)."""
+    from nightjar.models.cpu_linear import PackedLinear
+
+    head = model.lm_head
+    return head.nbytes if isinstance(head, PackedLinear) and model.cfg.tie_embeddings else 0
 
 
 if __name__ == "__main__":

@@ -55,7 +55,10 @@ def resolve_model_path(spec: str | Path, pull_if_missing: bool = True) -> Path:
     return p
 
 
-def load_model(spec: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu") -> LoadedModel:
+def load_model(spec: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
+               pack: bool = True) -> LoadedModel:
+    """Load for inference: q/k/v and gate/up fused; with ``pack`` (not for a draft, whose weights move)
+    a bf16 CPU model also holds its projections in oneDNN's packed layout (models/cpu_linear.py)."""
     from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
     from nightjar.models.tokenizer import tokenizer_from_dir, tokenizer_from_gguf
 
@@ -66,7 +69,10 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "bfloat16", device: 
     else:
         cfg, state = read_safetensors_state(path)
         tok = tokenizer_from_dir(path) if (path / "tokenizer.json").exists() else None
-    return LoadedModel(build_model(cfg, state, dt, device), tok, str(path))
+    model = build_model(cfg, state, dt, device)
+    if pack:
+        model.pack_cpu_weights()
+    return LoadedModel(model, tok, str(path))
 
 
 def random_draft_config(target: ModelConfig) -> ModelConfig:
@@ -90,7 +96,7 @@ def load_draft(spec: str | Path | None, target: ModelConfig, dtype: str | torch.
             return random_draft(target, dtype, device, seed)
     if spec == "random":
         return random_draft(target, dtype, device, seed)
-    loaded = load_model(spec, dtype, device)
+    loaded = load_model(spec, dtype, device, pack=False)
     if loaded.config.vocab_size != target.vocab_size:
         raise ValueError(f"draft vocabulary {loaded.config.vocab_size} != target's {target.vocab_size}")
     return loaded
@@ -103,7 +109,8 @@ def random_draft(target: ModelConfig, dtype, device: str, seed: int) -> LoadedMo
     model = LlamaModel(cfg)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-    return LoadedModel(model.to(device=device, dtype=parse_dtype(dtype)).eval(), None, "random")
+    model = model.to(device=device, dtype=parse_dtype(dtype)).eval().fuse_projections()
+    return LoadedModel(model, None, "random")
 
 
 __all__ = ["BatchLayout", "LlamaModel", "LoadedModel", "ModelConfig", "build_layout", "load_draft",

@@ -114,10 +114,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """HF's order of operations: normalise in fp32, cast back, then scale."""
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -162,15 +160,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.kv_size, bias=False)
         self.v_proj = nn.Linear(h, cfg.kv_size, bias=False)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.qkv_proj: nn.Module | None = None     # set by fuse(): one [q+2kv, h] projection
         self.use_kernels = False       # set by LlamaModel.select_kernels (Triton on CUDA)
+
+    def fuse(self) -> None:
+        """Replace q/k/v by one projection whose rows are q, k, v stacked (same numbers, one GEMM)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., h] -> q [..., q_size], k [..., kv_size], v [..., kv_size]."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        c = self.cfg
+        return self.qkv_proj(x).split((c.q_size, c.kv_size, c.kv_size), dim=-1)
 
     def forward(self, x, cos, sin, lay: BatchLayout, cache) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
-        q = self.q_proj(x).view(T, c.num_heads, c.head_dim)        # [T, nh, d]
-        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)     # [T, nkv, d]
-        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)     # [T, nkv, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv(x)
+        q = apply_rope(q.view(T, c.num_heads, c.head_dim), cos, sin)      # [T, nh, d]
+        k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)   # [T, nkv, d]
+        v = v.reshape(T, c.num_kv_heads, c.head_dim)                       # [T, nkv, d]
         scale = 1.0 / math.sqrt(c.head_dim)
         if self.use_kernels and len(cache.segments) == 1:
             out = self._kernel_attention(q, k, v, lay, cache, scale)
@@ -229,9 +241,26 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse(): one [2*inter, h] projection
+
+    def fuse(self) -> None:
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fused_linear(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # [..., inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One bias-free Linear whose output rows are ``parts``' rows in order."""
+    w = torch.cat([p.weight.detach() for p in parts])             # [sum(out), in]
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=parts[0].weight.requires_grad)
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -279,13 +308,33 @@ class LlamaModel(nn.Module):
             layer.self_attn.use_kernels = triton
         return triton
 
+    def fuse_projections(self) -> LlamaModel:
+        """q/k/v and gate/up become one GEMM each (after loading: checkpoints keep HF's names)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    def pack_cpu_weights(self) -> bool:
+        """On a bf16 CPU model with oneDNN bf16 kernels, hold every projection and the LM head in
+        oneDNN's packed layout (inference only; see models/cpu_linear.py). Returns whether it did."""
+        from nightjar.models.cpu_linear import pack_linears, packing_available
+
+        if not packing_available(self.dtype, self.device):
+            return False
+        pack_linears(self)
+        return True
+
     def weight_bytes(self) -> int:
+        """Bytes of the weights as held: parameters (tied ones once) plus any packed copies."""
+        from nightjar.models.cpu_linear import packed_bytes
+
         seen, total = set(), 0
         for p in self.parameters():
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 total += p.numel() * p.element_size()
-        return total
+        return total + packed_bytes(self)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, d/2]

@@ -123,7 +123,8 @@ def read_safetensors_state(directory: str | Path) -> tuple[ModelConfig, dict[str
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> LlamaModel:
+                device: torch.device | str = "cpu", fuse: bool = True) -> LlamaModel:
+    """A model from an HF-named state dict; ``fuse`` merges q/k/v and gate/up after loading."""
     with torch.device("meta"):
         model = LlamaModel(cfg)
     if cfg.tie_embeddings:
@@ -136,6 +137,8 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.inv_freq = rope_inv_freq(cfg)
     model = model.to(device).eval()
+    if fuse:
+        model.fuse_projections()
     model.select_kernels()
     return model
 

@@ -139,9 +139,10 @@ def dense_forward(model: LlamaModel, ids: torch.Tensor, mask: torch.Tensor | Non
     for layer in model.layers:
         a = layer.self_attn
         hx = layer.input_layernorm(x)
-        q = apply_rope(a.q_proj(hx).view(B, S, c.num_heads, c.head_dim), cos, sin)
-        kk = apply_rope(a.k_proj(hx).view(B, S, c.num_kv_heads, c.head_dim), cos, sin)
-        v = a.v_proj(hx).view(B, S, c.num_kv_heads, c.head_dim)
+        q, kk, v = a.qkv(hx)
+        q = apply_rope(q.view(B, S, c.num_heads, c.head_dim), cos, sin)
+        kk = apply_rope(kk.view(B, S, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(B, S, c.num_kv_heads, c.head_dim)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, enable_gqa=True)       # [B, nh, S, d]
         x = x + a.o_proj(o.transpose(1, 2).reshape(B, S, c.q_size))

@@ -1,0 +1,105 @@
+"""Fused q/k/v + gate/up projections and oneDNN-packed CPU weights compute what the plain model does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nightjar.kvpool.cache import KVCache
+from nightjar.models import load_draft, load_model
+from nightjar.models.cpu_linear import PackedLinear, packing_available
+from nightjar.models.loader import build_model, load_weights, read_safetensors_state
+from tests.models.test_llama_parity import Runner, hf_logits, save_hf_llama
+
+PACKING = packing_available(torch.bfloat16, torch.device("cpu"))
+
+
+def _runs(model, seqs):
+    """Prefill every sequence, then one decode and one 4-token verify chunk -> list of logits."""
+    r = Runner(model, block_size=4, num_blocks=96)
+    c = model.cfg
+    r.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 4, 96, model.dtype)
+    out = [r.run({i: (s[:-5], 0) for i, s in enumerate(seqs)}, {i: 1 for i in range(len(seqs))})]
+    n = [len(s) - 5 for s in seqs]
+    out.append(r.run({i: (s[n[i]: n[i] + 1], n[i]) for i, s in enumerate(seqs)}, {i: 1 for i in range(len(seqs))}))
+    out.append(r.run({i: (s[n[i] + 1:], n[i] + 1) for i, s in enumerate(seqs)}, {i: 4 for i in range(len(seqs))}))
+    return out
+
+
+def _seqs(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 300, (n,), generator=g).tolist() for n in (12, 20, 9)]
+
+
+def test_loaded_models_are_fused_and_keep_hf_names_in_the_checkpoint(tmp_path):
+    save_hf_llama(tmp_path)
+    model = load_weights(tmp_path, torch.float32)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
+    assert mlp.gate_up_proj is not None and not hasattr(mlp, "up_proj")
+    c = model.cfg
+    assert attn.qkv_proj.weight.shape == (c.q_size + 2 * c.kv_size, c.hidden_size)
+
+
+def test_fused_fp32_logits_equal_the_unfused_model_and_hf(tmp_path):
+    hf = save_hf_llama(tmp_path, tie=True)
+    cfg, state = read_safetensors_state(tmp_path)
+    fused = build_model(cfg, dict(state), torch.float32)
+    plain = build_model(cfg, dict(state), torch.float32, fuse=False)
+    assert plain.layers[0].self_attn.qkv_proj is None
+    seqs = _seqs()
+    for a, b in zip(_runs(fused, seqs), _runs(plain, seqs)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    # the verify chunk of sequence 0 against HF: logits of its last 4 tokens
+    assert torch.allclose(_runs(fused, seqs[:1])[2], hf_logits(hf, seqs[0])[-4:], atol=1e-4)
+
+
+def test_fusion_is_idempotent_and_changes_no_weight_bytes(tmp_path):
+    save_hf_llama(tmp_path)
+    cfg, state = read_safetensors_state(tmp_path)
+    plain = build_model(cfg, dict(state), torch.float32, fuse=False)
+    before = plain.weight_bytes()
+    plain.fuse_projections().fuse_projections()
+    assert plain.weight_bytes() == before
+
+
+@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+def test_packed_bf16_model_matches_the_unpacked_one(tmp_path):
+    save_hf_llama(tmp_path, tie=True)
+    cfg, state = read_safetensors_state(tmp_path)
+    plain = build_model(cfg, dict(state), torch.bfloat16)
+    packed = build_model(cfg, dict(state), torch.bfloat16)
+    assert packed.pack_cpu_weights()
+    assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.layers[1].mlp.down_proj, PackedLinear)
+    assert packed.embed_tokens.weight is not None              # the tied embedding stays a plain tensor
+    seqs = _seqs(7)
+    for a, b in zip(_runs(packed, seqs), _runs(plain, seqs)):
+        # bf16 with different accumulation orders: compare against the logits' own scale
+        assert (a - b).abs().max() <= 0.03 * b.abs().max()
+    # the packed LM head is an extra copy of the tied embedding, and it is counted
+    lm = packed.lm_head
+    assert packed.weight_bytes() == plain.weight_bytes() + lm.nbytes
+    assert torch.equal(lm.dense_weight(), plain.lm_head.weight)
+
+
+@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+def test_a_target_is_packed_but_a_draft_and_fp32_models_are_not(tmp_path):
+    save_hf_llama(tmp_path)
+    packed = lambda m: any(isinstance(x, PackedLinear) for x in m.modules())  # noqa: E731
+    target = load_model(tmp_path, "bfloat16")
+    assert packed(target.model)
+    assert not packed(load_draft(tmp_path, target.config, "bfloat16").model)   # the weight mover moves it
+    assert not packed(load_model(tmp_path, "float32").model)
+
+
+@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+def test_packed_linear_rows_do_not_depend_on_the_batch():
+    """A row's output is the same whether it runs alone or among 8 rows (decode vs verify shapes)."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 64).bfloat16()
+    lin = PackedLinear(w)
+    x = torch.randn(8, 64).bfloat16()
+    together = lin(x)                                           # [8, 96]
+    alone = torch.cat([lin(x[i: i + 1]) for i in range(8)])     # [8, 96]
+    assert torch.equal(together, alone)
+    ref = x.float() @ w.float().T
+    assert (together.float() - ref).abs().max() <= 0.01 * ref.abs().max()
