@@ -5,7 +5,7 @@ import pytest
 
 from nightjar.actors.step_profile import roofline_profile
 from nightjar.cli import main as cli_main
-from nightjar.offline.sim.cluster import ClusterSimulation, Router
+from nightjar.offline.sim.cluster import ClusterSimulation, Router, run_cluster
 from nightjar.offline.sim.workload import make_workload
 from nightjar.offline.simulate import SimConfig, simulate
 
@@ -74,6 +74,7 @@ def test_the_command_line_prints_the_cluster_and_its_replicas(capsys):
     (["--replicas", "0"], "--replicas must be >= 1"),
     (["--router", "p2c"], "need --replicas"),
     (["--replicas", "2", "--trace-out", "x.njtrace"], "--trace-out"),
+    (["--replicas", "2", "--router", "p2c", "--jobs", "2"], "--jobs > 1 needs --router round-robin"),
 ])
 def test_cluster_flag_mistakes_exit_2_with_one_line(capsys, argv, needle):
     assert cli_main(["simulate", "--gpu", "a100", *argv]) == 2
@@ -85,3 +86,15 @@ def test_closed_loop_clients_spread_over_the_replicas(profile):
     res = ClusterSimulation(profile, wl, "nightjar", 2, "least-ongoing", SimConfig(closed_loop=8)).run()
     assert res.finished == 120 and all(r.num_requests >= 50 for r in res.replicas)
     assert max(r.mean_batch for r in res.replicas) <= 8
+
+
+def test_round_robin_over_processes_gives_the_serial_results_exactly(profile):
+    wl = workload(14, 200)
+    serial = run_cluster(profile, wl, "nightjar", 3, "round-robin", SimConfig(), jobs=1)
+    split = run_cluster(profile, wl, "nightjar", 3, "round-robin", SimConfig(), jobs=2)
+    for k in ("finished", "out_tokens", "sim_time_s", "mean_ttft_s", "mean_e2e_s", "p99_ttft_s"):
+        assert getattr(split, k) == getattr(serial, k), k
+    for a, b in zip(serial.replicas, split.replicas, strict=True):
+        for k in ("num_requests", "finished", "out_tokens", "mean_ttft_s", "mean_gamma", "mean_batch", "steps",
+                  "offloads", "acceptance"):
+            assert getattr(a, k) == getattr(b, k), k

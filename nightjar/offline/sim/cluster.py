@@ -97,7 +97,9 @@ class ClusterResult:
 
 class ClusterSimulation:
     def __init__(self, profile, workload: Workload, policy: str, replicas: int, router: str = "round-robin",
-                 cfg=None, acceptance=DEFAULT_ACCEPTANCE) -> None:
+                 cfg=None, acceptance=DEFAULT_ACCEPTANCE, local: list[int] | None = None) -> None:
+        """``local``: simulate only these replicas (the router still routes every request; the others'
+        are dropped). Exact only when routing does not depend on replica state: see :func:`run_cluster`."""
         from nightjar.offline.simulate import SimConfig, Simulation
 
         if replicas < 1:
@@ -106,8 +108,11 @@ class ClusterSimulation:
         self.workload, self.policy = workload, policy
         self.shared = SharedTimers()
         self.router = Router(router, replicas, cfg.seed)
-        self.sims = []
+        self.sims: list = []
         for r in range(replicas):
+            if local is not None and r not in local:
+                self.sims.append(None)
+                continue
             sim = Simulation(profile, workload, policy, cfg, acceptance)
             self._rebind(sim, ReplicaBus(self.shared), r)
             if r:       # replica 0 keeps the plain simulation's stream: one replica reproduces it exactly
@@ -137,10 +142,12 @@ class ClusterSimulation:
         n = int(w.prompt_lens[i])
         prompt = self._prompts.get(n) or self._prompts.setdefault(n, (7,) * n)
         sp = SamplingSpec(max_tokens=int(w.output_lens[i]), ignore_eos=True)
-        bus = self.sims[self.router.pick()].bus
-        bus.publish("client", [SubmitRequest(req_id=i + 1, prompt_ids=prompt, sampling=sp)])
-        self._pending.append(bus)
+        sim = self.sims[self.router.pick()]
         self._i += 1
+        if sim is None:                     # another process simulates that replica
+            return
+        sim.bus.publish("client", [SubmitRequest(req_id=i + 1, prompt_ids=prompt, sampling=sp)])
+        self._pending.append(sim.bus)
 
     def _arrive(self) -> None:
         self._submit()
@@ -154,8 +161,14 @@ class ClusterSimulation:
 
     def run(self) -> ClusterResult:
         t0 = time.perf_counter()
-        buses = [s.bus for s in self.sims]
-        for sim in self.sims:
+        self.simulate()
+        return merge(self.router.policy, self.policy, self.workload, self.cfg, self.partial(time.perf_counter() - t0),
+                     time.perf_counter() - t0)
+
+    def simulate(self) -> None:
+        sims = [s for s in self.sims if s is not None]
+        buses = [s.bus for s in sims]
+        for sim in sims:
             sim.bus.start(sim.actors.values())
         if self.cfg.closed_loop:
             self.shared_at(0.0, lambda: [self._submit() for _ in range(min(self.cfg.closed_loop,
@@ -176,29 +189,71 @@ class ClusterSimulation:
                 b = pending.pop()
                 if b.queue:
                     b.run()
-        return self._result(time.perf_counter() - t0)
 
-    def _result(self, wall: float) -> ClusterResult:
-        per = []
-        ttft, e2e, out_tokens, t_last = [], [], 0, 0.0
+    def partial(self, wall: float) -> list[tuple]:
+        """Per simulated replica: (index, SimResult, TTFTs, E2Es, output tokens, last commit time)."""
+        out = []
         for r, sim in enumerate(self.sims):
+            if sim is None:
+                continue
             res = sim._result(wall)
             res.num_requests = self.router.sent[r]
-            per.append(res)
             c = sim.collector
             done = [q for q in c.done if q in c.arrival]
-            ttft += [c.first[q] - c.arrival[q] for q in done if q in c.first]
-            e2e += [c.done[q] - c.arrival[q] for q in done]
-            out_tokens += c.out_tokens
-            t_last = max(t_last, c.t_last)
-        t_start = 0.0 if self.cfg.closed_loop or not len(self.workload) else float(self.workload.times[0])
-        ttft.sort()
-        return ClusterResult(
-            router=self.router.policy, policy=self.policy, replicas=per, num_requests=len(self.workload),
-            finished=len(e2e), sim_time_s=max(t_last - t_start, 1e-9), wall_s=wall, out_tokens=out_tokens,
-            mean_ttft_s=sum(ttft) / len(ttft) if ttft else float("nan"),
-            mean_e2e_s=sum(e2e) / len(e2e) if e2e else float("nan"),
-            p99_ttft_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else float("nan"))
+            out.append((r, res, [c.first[q] - c.arrival[q] for q in done if q in c.first],
+                        [c.done[q] - c.arrival[q] for q in done], c.out_tokens, c.t_last))
+        return out
+
+
+def merge(router: str, policy: str, workload: Workload, cfg, parts: list[tuple], wall: float) -> ClusterResult:
+    """One ClusterResult from every replica's :meth:`ClusterSimulation.partial` (in replica order)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    ttft = sorted(x for p in parts for x in p[2])
+    e2e = [x for p in parts for x in p[3]]
+    t_last = max((p[5] for p in parts), default=0.0)
+    t_start = 0.0 if cfg.closed_loop or not len(workload) else float(workload.times[0])
+    return ClusterResult(
+        router=router, policy=policy, replicas=[p[1] for p in parts], num_requests=len(workload),
+        finished=len(e2e), sim_time_s=max(t_last - t_start, 1e-9), wall_s=wall, out_tokens=sum(p[4] for p in parts),
+        mean_ttft_s=sum(ttft) / len(ttft) if ttft else float("nan"),
+        mean_e2e_s=sum(e2e) / len(e2e) if e2e else float("nan"),
+        p99_ttft_s=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else float("nan"))
+
+
+def _run_part(args: tuple, local: list[int]) -> list[tuple]:
+    sim = ClusterSimulation(*args, local=local)
+    t0 = time.perf_counter()
+    sim.simulate()
+    return sim.partial(time.perf_counter() - t0)
+
+
+def parallel_ok(router: str, cfg) -> bool:
+    """Replicas are independent (so separate processes give the serial run's results exactly) when the
+    router ignores their state and no client waits on a finish: round-robin, open loop."""
+    return router == "round-robin" and not cfg.closed_loop
+
+
+def run_cluster(profile, workload: Workload, policy: str, replicas: int, router: str = "round-robin", cfg=None,
+                acceptance=DEFAULT_ACCEPTANCE, jobs: int = 1) -> ClusterResult:
+    """Serial, or with ``jobs > 1`` (round-robin, open loop only) replicas split over ``jobs`` processes."""
+    from nightjar.offline.simulate import SimConfig
+
+    cfg = cfg or SimConfig()
+    jobs = max(1, min(jobs, replicas))
+    if jobs == 1:
+        return ClusterSimulation(profile, workload, policy, replicas, router, cfg, acceptance).run()
+    if not parallel_ok(router, cfg):
+        raise ValueError("--jobs > 1 needs --router round-robin without --closed-loop (other routers and "
+                         "closed loops couple the replicas)")
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.perf_counter()
+    args = (profile, workload, policy, replicas, router, cfg, acceptance)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as ex:
+        futures = [ex.submit(_run_part, args, list(range(j, replicas, jobs))) for j in range(jobs)]
+        parts = [p for f in futures for p in f.result()]
+    return merge(router, policy, workload, cfg, parts, time.perf_counter() - t0)
 
 
 def format_cluster(results: list[ClusterResult], per_replica: bool = True) -> str:
@@ -227,11 +282,15 @@ def add_cluster_args(p) -> None:
     g.add_argument("--router", default="round-robin", choices=ROUTERS,
                    help="how the router picks a replica (default round-robin)")
     g.add_argument("--per-replica", action="store_true", help="print one line per replica as well")
+    g.add_argument("--jobs", type=int, default=None, metavar="J",
+                   help="processes (round-robin, open loop: the replicas are independent, results are the "
+                        "serial run's); default: every CPU for round-robin, else 1")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``nightjar simulate``: the plain simulation, or with ``--replicas`` a simulated cluster."""
     import json
+    import os
     import sys
 
     from nightjar.offline import simulate as single
@@ -260,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
                            planner_profile=not a.no_planner_profile)
     print(f"profile {profile.name} x {a.replicas} replicas, router {a.router}; workload {a.workload}: "
           f"{len(wl)} requests", file=sys.stderr)
-    results = [ClusterSimulation(profile, wl, pol, a.replicas, a.router, cfg, acc).run()
+    jobs = a.jobs if a.jobs is not None else (os.cpu_count() or 1) if parallel_ok(a.router, cfg) else 1
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1 (got {jobs})")
+    results = [run_cluster(profile, wl, pol, a.replicas, a.router, cfg, acc, jobs)
                for pol in (x.strip() for x in a.policies.split(",") if x.strip())]
     if a.json:
         print(json.dumps([{**{k: v for k, v in r.__dict__.items() if k != "replicas"}, "throughput": r.throughput,
