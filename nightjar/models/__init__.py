@@ -57,8 +57,9 @@ def resolve_model_path(spec: str | Path, pull_if_missing: bool = True) -> Path:
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
                pack: bool = True) -> LoadedModel:
-    """Load for inference: q/k/v and gate/up fused; with ``pack`` (not for a draft, whose weights move)
-    a bf16 CPU model also holds its projections in oneDNN's packed layout (models/cpu_linear.py)."""
+    """Load for inference: q/k/v and gate/up fused; with ``pack`` a bf16 CPU model also holds its
+    projections in oneDNN's packed layout only (models/cpu_linear.py; a draft, whose weights move,
+    is packed with ``mirror`` by load_draft instead)."""
     from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
     from nightjar.models.tokenizer import tokenizer_from_dir, tokenizer_from_gguf
 
@@ -99,6 +100,7 @@ def load_draft(spec: str | Path | None, target: ModelConfig, dtype: str | torch.
     loaded = load_model(spec, dtype, device, pack=False)
     if loaded.config.vocab_size != target.vocab_size:
         raise ValueError(f"draft vocabulary {loaded.config.vocab_size} != target's {target.vocab_size}")
+    loaded.model.pack_cpu_weights(mirror=True)        # plain weights stay the parameters: they move
     return loaded
 
 
@@ -110,6 +112,7 @@ def random_draft(target: ModelConfig, dtype, device: str, seed: int) -> LoadedMo
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
     model = model.to(device=device, dtype=parse_dtype(dtype)).eval().fuse_projections()
+    model.pack_cpu_weights(mirror=True)
     return LoadedModel(model, None, "random")
 
 

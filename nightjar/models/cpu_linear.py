@@ -6,8 +6,9 @@ uses) lets the AVX512-bf16/AMX kernels stream it. Measured on this 2-vCPU Xeon (
 300 calls, M=1): 3072x576 207 -> 62 us, 576x1536 72 -> 28 us, the 49152x576 LM head 11.0 -> 1.3 ms.
 
 The packed tensor is opaque (no storage pointer, not a parameter): a packed model is for inference
-only and does not move between devices. Engines pack the target (its weights never move); the draft,
-whose weights the weight mover offloads as plain tensors, stays unpacked.
+only and does not move between devices. Engines pack the target this way (its weights never move). The
+draft, whose plain weights the weight mover offloads and reloads, uses MirroredPackedLinear: plain weight
+plus a packed copy that is dropped on release and rebuilt after a reload (both counted in weight_bytes).
 """
 from __future__ import annotations
 
@@ -45,15 +46,68 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every plain bias-free ``nn.Linear`` in ``model`` by a PackedLinear; returns how many."""
+class MirroredPackedLinear(nn.Module):
+    """A packed linear that keeps its plain ``weight`` parameter: for a model whose weights move (the
+    draft, offloaded and reloaded by the weight mover as plain tensors). The packed copy is rebuilt when
+    the weight's storage changes (``refresh``; else lazily on the next call) and freed by ``drop``."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight                                     # [out, in], shared if tied
+        self.out_features, self.in_features = weight.shape
+        self.packed: torch.Tensor | None = None
+        self._source = -1
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self.weight.numel() == 0:                             # released: nothing to pack
+            self.drop()
+        elif self.packed is None or self._source != self.weight.data_ptr():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            self._source = self.weight.data_ptr()
+
+    def drop(self) -> int:
+        freed, self.packed, self._source = self.nbytes, None, -1
+        return freed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] bf16 -> [..., out] bf16."""
+        if self.packed is None or self._source != self.weight.data_ptr():
+            self.refresh()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+
+def pack_linears(model: nn.Module, mirror: bool = False) -> int:
+    """Replace every plain bias-free ``nn.Linear`` in ``model`` by a packed one (MirroredPackedLinear
+    with ``mirror``, which keeps the plain weight too); returns how many."""
+    kind = MirroredPackedLinear if mirror else PackedLinear
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m.bias is None]
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(m.weight))
+        setattr(parent, attr, kind(m.weight))
     return len(targets)
 
 
+def _packed_modules(model: nn.Module) -> list:
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, MirroredPackedLinear))]
+
+
 def packed_bytes(model: nn.Module) -> int:
-    return sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    return sum(m.nbytes for m in _packed_modules(model))
+
+
+def refresh_packed(model: nn.Module) -> None:
+    """After a model's weights moved: re-pack the mirrored layers now (off the step's critical path)."""
+    for m in _packed_modules(model):
+        if isinstance(m, MirroredPackedLinear):
+            m.refresh()
+
+
+def drop_packed(model: nn.Module) -> int:
+    """Free the packed copies of mirrored layers (their weights are being released); returns bytes."""
+    return sum(m.drop() for m in _packed_modules(model) if isinstance(m, MirroredPackedLinear))

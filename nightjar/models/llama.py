@@ -315,14 +315,15 @@ class LlamaModel(nn.Module):
             layer.mlp.fuse()
         return self
 
-    def pack_cpu_weights(self) -> bool:
+    def pack_cpu_weights(self, mirror: bool = False) -> bool:
         """On a bf16 CPU model with oneDNN bf16 kernels, hold every projection and the LM head in
-        oneDNN's packed layout (inference only; see models/cpu_linear.py). Returns whether it did."""
+        oneDNN's packed layout (inference only; see models/cpu_linear.py). ``mirror`` keeps the plain
+        weights as the parameters (a draft's, which move). Returns whether it packed."""
         from nightjar.models.cpu_linear import pack_linears, packing_available
 
         if not packing_available(self.dtype, self.device):
             return False
-        pack_linears(self)
+        pack_linears(self, mirror=mirror)
         return True
 
     def weight_bytes(self) -> int:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from nightjar.models.cpu_linear import drop_packed, refresh_packed
 from nightjar.models.cuda_graph import weights_moved
 from nightjar.transfer.weight_pack import pack_tensors, unpack_tensors
 
@@ -87,6 +88,7 @@ class DraftTransfer:
             slot.cache.restore(host.kv)
         for p, t in zip(unique_params(slot.model), tensors):
             p.data = t
+        refresh_packed(slot.model)           # oneDNN-packed copies of the moved CPU weights
         weights_moved(slot.model)            # its CUDA graphs point at the old addresses
         return host.nbytes
 
@@ -100,5 +102,6 @@ def release_draft(slot) -> int:
     for p in unique_params(slot.model):
         freed += p.data.numel() * p.data.element_size()
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    freed += drop_packed(slot.model)
     weights_moved(slot.model)                # drops its CUDA graphs now: their memory goes to the KV pool
     return freed + slot.cache.release()

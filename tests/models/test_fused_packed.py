@@ -1,6 +1,8 @@
 """Fused q/k/v + gate/up projections and oneDNN-packed CPU weights compute what the plain model does."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -103,3 +105,34 @@ def test_packed_linear_rows_do_not_depend_on_the_batch():
     assert torch.equal(together, alone)
     ref = x.float() @ w.float().T
     assert (together.float() - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
+@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+async def test_a_mirrored_packed_draft_survives_release_and_reload_exactly():
+    """The draft keeps plain weights (the mover moves them) and a packed copy that release frees and
+    a reload rebuilds: same logits after the cycle, and release reports the packed bytes too."""
+    from nightjar.actors.weights import DraftSlot
+    from nightjar.transfer.weights import DraftTransfer, release_draft
+    from tests.conftest import random_model, tiny_config
+    from tests.transfer.test_transfer import BLOCK, logits_of, offload, reload
+
+    cfg = tiny_config(vocab=96, hidden=32, layers=2, heads=4, kv=2, eos=())
+    model = random_model(cfg, seed=5).to(torch.bfloat16).fuse_projections()
+    assert model.pack_cpu_weights(mirror=True)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, 6, torch.bfloat16)
+    slot = DraftSlot(model, cache, torch.device("cpu"))
+    before, held = logits_of(slot), model.weight_bytes()
+    plain = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held > plain                                          # plain weights + packed copies
+    tr = DraftTransfer(asyncio.get_running_loop())
+    host, _, _ = await offload(tr, slot)
+    freed = release_draft(slot)
+    assert model.weight_bytes() == 0 and freed == held + cache_bytes(host)
+    await reload(tr, slot, host)
+    assert model.weight_bytes() == held
+    assert torch.equal(logits_of(slot), before)
+    tr.shutdown()
+
+
+def cache_bytes(host) -> int:
+    return sum(t.numel() * t.element_size() for t in host.kv)
