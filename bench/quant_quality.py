@@ -75,11 +75,11 @@ def kernel_table(rows: list[int], shapes: list[tuple[int, int]], reps: int) -> N
             x = torch.randn(m, k, generator=g).bfloat16()
             fns = {"bf16": lambda: F.linear(x, w), "onednn": lambda: packed(x),
                    "int8": lambda: torch.ops.aten._weight_int8pack_mm(x, q8.qweight, q8.scales),
-                   "int8d": lambda: F.linear(x, q8.dequantize()),
+                   "int8d": lambda: q8.dense_mm(x),
                    "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4.qweight, 32, q4.scales),
                    "int4b": (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4b.qweight, 64, q4b.scales))
                    if q4b else None,
-                   "int4d": lambda: F.linear(x, q4.dequantize())}
+                   "int4d": lambda: q4.dense_mm(x)}
             ts = {name: [] for name, f in fns.items() if f}
             for _ in range(reps * 5 + 2):
                 for name in ts:
@@ -253,7 +253,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     sections = a.sections.split(",")
     if "kernels" in sections:
-        kernel_table([1, 4, 16, 32, 64], [(3072, 576), (576, 1536)], a.reps)
+        kernel_table([1, 4, 16, 32, 64, 128, 256], [(3072, 576), (576, 1536)], a.reps)
         if sections == ["kernels"]:
             return
     variants = load_variants(a.model, a.modes.split(","))

@@ -19,6 +19,7 @@ docs/quantization.md for the measurements).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MODES = ("none", "int8", "int4")
@@ -58,7 +59,7 @@ class QuantLinear(nn.Module):
         """x [..., in] -> [..., out] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                          # [M, in]
         if x2.shape[0] > PACKED_MAX_ROWS:
-            y = x2 @ self.weight_t(x.dtype)                              # [M, out]
+            y = self.dense_mm(x2)                                        # [M, out]
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
         else:
@@ -81,20 +82,25 @@ class QuantLinear(nn.Module):
         sz = self.scales.transpose(0, 1).float()                      # [out, in/g, 2]
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(self.scales.dtype)
 
-    def weight_t(self, dtype: torch.dtype) -> torch.Tensor:
-        """W^T [in, out] in ``dtype`` for one dense GEMM (long chunks), formed in ``dtype``. For int4 the
-        packed layout unpacks into W^T without a transposing copy (rows in blocks of 64; else via codes())."""
+    def dense_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, in] -> [M, out] through the weight dequantized in x2's dtype and one GEMM (long chunks)."""
         if self.mode == "int8":
-            return self.qweight.t().to(dtype) * self.scales.to(dtype)      # [in, out] (strides of W)
+            w = self.qweight.to(x2.dtype).mul_(self.scales.to(x2.dtype)[:, None])            # [out, in]
+            return F.linear(x2, w)
+        return x2 @ self.weight_t(x2.dtype)
+
+    def weight_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """int4 W^T [in, out] in ``dtype``, contiguous: the packed rows (blocks of 64: byte j holds rows j and
+        j+32) unpack into W^T without a transposing copy; w = q * s + (z - 8 s) in one fused op."""
         n, k, g = self.out_features, self.in_features, self.group_size
         if n % 64:
-            return self.dequantize().to(dtype).t()
+            return self.dequantize().to(dtype).t().contiguous()
         b = self.qweight.view(n // 64, k, 32).transpose(0, 1)           # [in, blocks, 32]
-        q = torch.empty(k, n // 64, 2, 32, dtype=dtype)                 # [in, blocks, lo/hi, 32] = [in, out]
-        q[:, :, 0] = b & 15
-        q[:, :, 1] = b >> 4
-        sz = self.scales.to(dtype)                                      # [in/g, out, 2]
-        return q.view(k // g, g, n).sub_(8).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1]).view(k, n)
+        q = torch.stack((b & 15, b >> 4), dim=2).to(dtype).view(k // g, g, n)   # [in/g, g, out]
+        sz = self.scales.float()                                         # [in/g, out, 2]
+        s = sz[..., 0].to(dtype)[:, None, :].contiguous()               # [in/g, 1, out]
+        z = (sz[..., 1] - 8 * sz[..., 0]).to(dtype)[:, None, :]
+        return torch.addcmul(z, q, s).view(k, n)
 
     @property
     def nbytes(self) -> int:
