@@ -168,9 +168,11 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def _linear_weight(m: nn.Module) -> torch.Tensor | None:
     """The dense [out, in] weight of a bias-free linear layer (plain or oneDNN-packed), else None."""
-    if type(m) is nn.Linear and m.bias is None:
+    from nightjar.models.cpu_linear import MirroredPackedLinear, PackedLinear
+
+    if (type(m) is nn.Linear and m.bias is None) or isinstance(m, MirroredPackedLinear):
         return m.weight.detach()
-    if hasattr(m, "dense_weight") and hasattr(m, "in_features"):     # models/cpu_linear.PackedLinear
+    if isinstance(m, PackedLinear):
         return m.dense_weight()
     return None
 
@@ -209,7 +211,8 @@ def cast_floats(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft_for=None, seed: int = 0):
     """Load a target (``draft_for=None``) or a draft for ``draft_for`` (a ModelConfig) with weight-only
     ``mode`` quantization of its layers: loaded in fp32 (so int4 recovers a Q4_0/Q4_1 file's own codes),
-    quantized, then cast to ``dtype``. A target's LM head is then oneDNN-packed where that applies."""
+    quantized, then cast to ``dtype``. The LM head is then oneDNN-packed where that applies (mirrored for a
+    draft: its plain weights stay the parameters the weight mover moves)."""
     from nightjar.models import load_draft, load_model, parse_dtype
 
     if mode == "none":
@@ -224,6 +227,5 @@ def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft
         loaded = load_model(spec, torch.float32, device)
     quantize_model(loaded.model, mode)
     cast_floats(loaded.model, parse_dtype(dtype))
-    if draft_for is None:
-        loaded.model.pack_cpu_weights()        # the bf16 LM head (the layers are QuantLinear by now)
+    loaded.model.pack_cpu_weights(mirror=draft_for is not None)   # the bf16 LM head (layers are quantized)
     return loaded

@@ -175,3 +175,15 @@ def test_generate_with_int4_serves_the_real_model_quantized(capsys):
                  "--draft", "none", "--max-tokens", "6", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "Rome" in out["text"]
+
+
+def test_the_pass_quantizes_onednn_packed_layers_too():
+    from nightjar.models.cpu_linear import packing_available
+
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=6, dtype=torch.bfloat16).fuse_projections()
+    if not model.pack_cpu_weights(mirror=True):
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    assert packing_available(model.dtype, model.device)
+    n = sum(1 for m in model.layers.modules() if hasattr(m, "packed"))
+    assert quantize_model(model, "int4") == n > 0
+    assert not any(hasattr(m, "packed") for m in model.layers.modules())
