@@ -6,7 +6,7 @@ attends to its own paged KV. Layers loop once per call over the whole flattened 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,18 @@ class AttnGroup:
     flat_index: torch.Tensor     # [t] int64 into b*Q: where each of the group's tokens sits
     attn_mask: torch.Tensor      # [b, 1, Q, K] bool, True = attend
     block_tables: torch.Tensor   # [b, nb] int64
+    dense: bool = False          # the group is the whole batch, every row Q tokens: q is [b*Q] in order
+    _masks: dict = field(default_factory=dict, repr=False)   # heads per kv head -> [b, 1, Q*g, K]
+
+    def blocked(self, gq: int) -> torch.Tensor:
+        """Where attention is NOT allowed, repeated for the gq query heads that share a KV head
+        -> [b, 1, Q*gq, K] bool (built once per step: every layer uses it)."""
+        m = self._masks.get(gq)
+        if m is None:
+            B, _, Q, K = self.attn_mask.shape
+            m = ~self.attn_mask.unsqueeze(3).expand(B, 1, Q, gq, K).reshape(B, 1, Q * gq, K)
+            self._masks[gq] = m
+        return m
 
 
 @dataclass
@@ -73,6 +85,8 @@ def build_layout(
     short = [b for b, q in enumerate(qlens) if q <= SHORT_QUERY]
     long = [b for b, q in enumerate(qlens) if q > SHORT_QUERY]
     groups = [_group(rows, qlens, starts, offsets, table, device) for rows in (short, long) if rows]
+    if len(groups) == 1 and len(set(qlens)) == 1:
+        groups[0].dense = True
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
     return BatchLayout(input_ids=as_t(ids), positions=as_t(pos), slot_mapping=as_t(slots),
                        block_tables=table.to(device), query_start_loc=as_t(offsets),
@@ -179,10 +193,16 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, lay: BatchLayout, cache) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
-        q, k, v = self.qkv(x)
-        q = apply_rope(q.view(T, c.num_heads, c.head_dim), cos, sin)      # [T, nh, d]
-        k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)   # [T, nkv, d]
-        v = v.reshape(T, c.num_kv_heads, c.head_dim)                       # [T, nkv, d]
+        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        if self.qkv_proj is None:
+            q, k, v = self.qkv(x)
+            qk = torch.cat((q.view(T, nh, d), k.view(T, nkv, d)), dim=1)        # [T, nh+nkv, d]
+        else:
+            qkv = self.qkv_proj(x)                                              # [T, (nh+2nkv)*d]
+            qk, v = qkv[:, : c.q_size + c.kv_size].view(T, nh + nkv, d), qkv[:, c.q_size + c.kv_size:]
+        qk = apply_rope(qk, cos, sin)                                           # one rotation for q and k
+        q, k = qk[:, :nh], qk[:, nh:]                                           # [T, nh, d], [T, nkv, d]
+        v = v.reshape(T, nkv, d)                                                # [T, nkv, d]
         scale = 1.0 / math.sqrt(c.head_dim)
         if self.use_kernels and len(cache.segments) == 1:
             out = self._kernel_attention(q, k, v, lay, cache, scale)
@@ -224,15 +244,17 @@ def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> t
     kc, vc = cache.gather(layer, g.block_tables[:, : -(-K // cache.block_size)])   # [B, nb*bs, nkv, d]
     nkv = kc.shape[2]
     gq = nh // nkv
-    qp = torch.cat((q, q.new_zeros(1, nh, d)))[g.q_index]         # [B, Q, nh, d]
+    if g.dense:
+        qp = q.view(B, Q, nh, d)                                  # [B, Q, nh, d]: no padding to add
+    else:
+        qp = torch.cat((q, q.new_zeros(1, nh, d)))[g.q_index]     # [B, Q, nh, d]
     qg = qp.view(B, Q, nkv, gq, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, Q * gq, d)
     kt = kc[:, :K].permute(0, 2, 3, 1)                            # [B, nkv, d, K]
     scores = torch.matmul(qg, kt).float() * scale                 # [B, nkv, Q*g, K]
-    mask = g.attn_mask.unsqueeze(3).expand(B, 1, Q, gq, K).reshape(B, 1, Q * gq, K)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+    probs = scores.masked_fill_(g.blocked(gq), float("-inf")).softmax(-1).to(q.dtype)
     out = torch.matmul(probs, vc[:, :K].transpose(1, 2))          # [B, nkv, Q*g, d]
     out = out.view(B, nkv, Q, gq, d).permute(0, 2, 1, 3, 4).reshape(B * Q, nh, d)
-    return out[g.flat_index]
+    return out if g.dense else out[g.flat_index]
 
 
 class MLP(nn.Module):
