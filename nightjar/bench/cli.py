@@ -143,13 +143,17 @@ def _emit(result: dict, a: argparse.Namespace, opts: BenchOptions) -> None:
         print(f"plot: {plot_result(result, a.plot)}", file=sys.stderr)
 
 
-def _server_context(a: argparse.Namespace, policy: str):
-    """in-process / launched subprocess / nothing (an already running server at --base-url)."""
+def _server_context(a: argparse.Namespace, entry: str):
+    """in-process / launched subprocess / nothing (an already running server at --base-url).
+    ``entry`` is a policy, or ``POLICY@EXTRA SERVER ARGS`` (bench compare's per-entry flags)."""
+    from nightjar.bench.compare import split_variant
     from nightjar.bench.server import InProcessServer, SubprocessServer, engine_factory_from_args
+    policy, extra = split_variant(entry)
+    server_args = f"{a.server_args} {extra}".strip()
     if a.in_process:
-        make, model = engine_factory_from_args(a.server_args, policy, a.server_model)
+        make, model = engine_factory_from_args(server_args, policy, a.server_model)
         return InProcessServer(make, model)
-    return SubprocessServer(policy, a.server_args, model=a.server_model, startup_timeout_s=a.startup_timeout,
+    return SubprocessServer(policy, server_args, model=a.server_model, startup_timeout_s=a.startup_timeout,
                             log_path=None)
 
 
@@ -226,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(s, True)
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("compare", help="several policies on the same arrivals, each on a fresh server")
-    c.add_argument("--policies", required=True, help="comma-separated, e.g. off,fixed:2,fixed:4,nightjar")
+    c.add_argument("--policies", required=True, help="comma-separated, e.g. off,fixed:2,fixed:4,nightjar; an "
+                   "entry POLICY@FLAGS adds server flags for it alone, e.g. nightjar@--quantization int4")
     c.add_argument("--repeats", type=_positive(int), default=3)
     c.add_argument("--runs-dir", default=None, help="save every run's full JSON and PNG here")
     add_load_args(c)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +29,18 @@ def parse_policies(text: str) -> list[str]:
         raise ValueError("--policies needs at least one policy, e.g. off,fixed:2,nightjar")
     if len(set(pols)) != len(pols):
         raise ValueError(f"--policies lists a policy twice: {text}")
+    for p in pols:
+        split_variant(p)
     return pols
+
+
+def split_variant(entry: str) -> tuple[str, str]:
+    """``POLICY@SERVER ARGS`` -> (policy, extra server args): one comparison entry may run with its own
+    server flags, e.g. ``nightjar@--quantization int4`` beside plain ``nightjar``."""
+    policy, _, extra = entry.partition("@")
+    if not policy.strip():
+        raise ValueError(f"--policies entry {entry!r} names no policy")
+    return policy.strip(), extra.strip()
 
 
 def rotation(policies: list[str], rep: int) -> list[str]:
@@ -108,7 +120,7 @@ def run_compare(opts: BenchOptions, policies: list[str], launcher: Launcher, *, 
             entry.update(_run_summary(res))
             if runs_dir is not None:
                 d = Path(runs_dir)
-                stem = f"{pol.replace(':', '_')}_rep{rep + 1}"
+                stem = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', pol)}_rep{rep + 1}"
                 entry["result_file"] = str(write_json(res, d / f"{stem}.json"))
                 try:
                     entry["plot_file"] = str(plot_result(res, d / f"{stem}.png"))
