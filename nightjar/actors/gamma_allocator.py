@@ -54,6 +54,8 @@ class RequestAcceptance:
     def __init__(self, gamma_max: int, decay: float = 0.9, prior_weight: float = 2.0,
                  idle_decay: float = 0.97) -> None:
         self.g, self.decay, self.w, self.idle = gamma_max, decay, prior_weight, idle_decay
+        self.w_min = prior_weight
+        self.tau2 = 0.05                           # between-request variance of first-position rates (EMA)
         self.acc: dict[int, list[float]] = {}      # req_id → discounted accepted counts per position
         self.n: dict[int, list[float]] = {}        # req_id → discounted reached counts per position
 
@@ -76,6 +78,28 @@ class RequestAcceptance:
             for i in range(reach):
                 n[i] = d * n[i] + 1.0
                 acc[i] = d * acc[i] + (1.0 if a > i else 0.0)
+        self._spread(req_ids)
+
+    def _spread(self, req_ids) -> None:
+        """Empirical Bayes: the variance of the batch's first-position rates beyond binomial noise is the
+        between-request variance τ²; the prior weight is ρ(1−ρ)/τ² pseudo-samples (at least ``prior_weight``),
+        so requests that only differ by chance are shrunk to the shared rate and distinct classes are not."""
+        rs, noise = [], 0.0
+        acc_of, n_of = self.acc, self.n
+        for rid in req_ids:
+            n = n_of.get(rid)
+            if n is not None and n[0] >= 2.0:
+                p = acc_of[rid][0] / n[0]
+                rs.append(p)
+                noise += 1.0 / n[0]
+        k = len(rs)
+        if k < 4:
+            return
+        m = sum(rs) / k
+        var = sum((x - m) ** 2 for x in rs) / (k - 1)
+        tau2 = max(var - m * (1.0 - m) * noise / k, 1e-4)
+        self.tau2 += 0.1 * (tau2 - self.tau2)
+        self.w = min(200.0, max(self.w_min, m * (1.0 - m) / self.tau2))
 
     def forget(self, live) -> None:
         """Drop requests not in ``live``."""

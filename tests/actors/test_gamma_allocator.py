@@ -153,7 +153,8 @@ def test_the_per_request_policy_learns_two_classes_online_and_splits_them(prof, 
                               drafted_per_pos=layers, reached_per_pos=reached if layers else ()))
     gam = pol.decide_rows(b, state(), rids, (True,) * b)
     high, low = gam[:h], gam[h:]
-    assert min(high) >= 2 and sum(high) / h >= 3 and max(low) == 0, gam      # deep (own luck varies) / none
+    # deep for the strong class (each row's own luck varies); the weak class at most one token, mostly none
+    assert min(high) >= 2 and sum(high) / h >= 3 and max(low) <= 1 and sum(low) <= h / 4, gam
 
 
 @pytest.mark.parametrize("prof", [CPU, A100], ids=["cpu", "a100-13b"])
@@ -222,3 +223,25 @@ def test_the_batcher_advances_each_row_s_draft_counter_by_its_own_gamma():
     assert [seqs[r].draft_computed for r in (1, 2)] == [n0[1] + 2, n0[2] + 1]   # n + min(a, γ_i − 1)
     assert seqs[3].draft_computed == dc0                                       # γ_i = 0: unchanged
     assert [seqs[r].num_computed for r in (1, 2, 3)] == [n0[1] + 3, n0[2] + 1, n0[3]]
+
+
+def _feed(ra, rates, steps, seed=0):
+    rng, rids = random.Random(seed), tuple(range(len(rates)))
+    for _ in range(steps):
+        acc = []
+        for r in rates:
+            a = 0
+            while a < G and rng.random() < r:
+                a += 1
+            acc.append(a)
+        ra.observe(rids, (G,) * len(rates), tuple(acc))
+
+
+def test_requests_that_differ_only_by_chance_are_shrunk_to_the_shared_rate_and_distinct_classes_are_not():
+    same, split = RequestAcceptance(G), RequestAcceptance(G)
+    _feed(same, [0.7] * 16, 60)
+    _feed(split, [0.9] * 8 + [0.1] * 8, 60)
+    assert same.w > 10 and split.w == split.w_min
+    shared = [0.7] * G
+    spread = [same.gains(r, shared, G)[0] for r in range(16)]
+    assert max(spread) - min(spread) < 0.12           # one class: γ_i stays close to the batch-level choice
