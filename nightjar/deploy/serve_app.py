@@ -5,8 +5,9 @@ The ingress does what needs no engine (routing, auth, content type, body size) w
 aiohttp server uses (``nightjar.api.core``), then streams the raw body to one engine replica through a Serve
 ``DeploymentHandle`` (Serve's router picks the replica: power of two choices over ongoing requests). The
 replica parses, validates and generates with the same ``core`` functions and yields a head
-(status, headers, whether SSE) followed by the body bytes. A replica that dies before its head gives a 503
-``replica_failed``; one that dies mid-stream ends that stream with an OpenAI error frame and ``[DONE]``.
+(status, headers, whether SSE) followed by the body bytes. A replica that dies before its head is retried
+on another replica (``RETRIES``), then gives a 503 ``replica_failed``; one that dies mid-stream ends that
+stream with an OpenAI error frame and ``[DONE]`` (its tokens already reached the client: no retry).
 
 Per-replica metrics: each replica pushes its own Prometheus exposition to a small named actor every
 ``METRICS_PUSH_S``; the ingress's ``GET /metrics`` merges the fresh ones with a ``replica`` label.
@@ -33,7 +34,11 @@ log = logging.getLogger("nightjar.deploy")
 BOARD_NAMESPACE = "nightjar"
 METRICS_PUSH_S = 2.0
 REPLICA_HEADER = "X-Nightjar-Replica"     # which replica answered (its Serve replica id)
-METRICS_MAX_AGE_S = 10.0        # a replica silent this long (dead, restarting) leaves GET /metrics
+METRICS_MAX_AGE_S = 10.0
+# A replica that fails before its first reply byte: the request goes to another one (nothing reached the
+# client yet), at most RETRIES times, RETRY_DELAY_S apart (Serve's router learns of the death meanwhile).
+RETRIES = 2
+RETRY_DELAY_S = 0.25        # a replica silent this long (dead, restarting) leaves GET /metrics
 
 
 @ray.remote(num_cpus=0)
@@ -161,18 +166,22 @@ class Ingress:
         return b"".join(chunks)
 
     async def forward(self, name: str, arg: str | None, body: bytes | None) -> Response:
-        stream = self.engine.options(stream=True).call.remote(name, arg, body)
-        try:
-            head = await stream.__anext__()
-            if not head["sse"]:
-                data = b"".join([chunk async for chunk in stream])
-                headers = {**(head["headers"] or {}), REPLICA_HEADER: head["replica"]}
-                return Response(data, status_code=head["status"], headers=headers, media_type="application/json")
-        except ApiError:
-            raise
-        except Exception as e:          # the replica died or could not be reached
-            stream.cancel()
-            raise replica_failed(e) from None
+        for attempt in range(1 + RETRIES):
+            stream = self.engine.options(stream=True).call.remote(name, arg, body)
+            try:
+                head = await stream.__anext__()
+                if not head["sse"]:
+                    data = b"".join([chunk async for chunk in stream])
+                    headers = {**(head["headers"] or {}), REPLICA_HEADER: head["replica"]}
+                    return Response(data, status_code=head["status"], headers=headers,
+                                    media_type="application/json")
+                break
+            except Exception as e:      # the replica died or could not be reached; nothing reached the client
+                stream.cancel()
+                if attempt == RETRIES:
+                    raise replica_failed(e) from None
+                log.warning("replica failed before answering (%s): retrying on another", type(e).__name__)
+                await asyncio.sleep(RETRY_DELAY_S)
         headers = {k: v for k, v in core.SSE_HEADERS.items() if k != "Content-Type"}
         headers[REPLICA_HEADER] = head["replica"]
         return StreamingResponse(self.relay(stream), status_code=200, headers=headers,
