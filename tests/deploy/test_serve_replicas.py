@@ -10,6 +10,7 @@ import http.client
 import json
 import socket
 import time
+import urllib.request
 
 import pytest
 
@@ -120,6 +121,24 @@ def test_a_chunked_body_over_the_limit_gets_413_through_the_cluster(cluster):
     status, _, body = _request(cluster[1], "POST", CHAT, json.dumps(chat(max_tokens=3)).encode(),
                                {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_metrics_are_each_replicas_own_labelled_by_replica(client, cluster):
+    from nightjar.bench.metrics import parse_prometheus
+
+    replicas = {_chat(client, False)[0] for _ in range(8)}
+    deadline, flat = time.monotonic() + 20, {}
+    while time.monotonic() < deadline:               # replicas push their exposition every 2 s
+        with urllib.request.urlopen(cluster[0] + "/metrics", timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            flat = parse_prometheus(r.read().decode())
+        labelled = {k for k in flat if k.startswith("nightjar:num_requests_running{")}
+        if len(labelled) == 2:
+            break
+        time.sleep(1)
+    assert labelled == {f'nightjar:num_requests_running{{replica="{r}"}}' for r in replicas} and len(replicas) == 2
+    done = [v for k, v in flat.items() if k.startswith("nightjar:request_success_total{")]
+    assert sum(done) >= 8
 
 
 def _stream_until_killed(client, started: cf.Future | None):
