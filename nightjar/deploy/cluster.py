@@ -110,7 +110,6 @@ def serve_cluster(engine_kwargs: dict, opts: ClusterOptions, log_level: str = "i
     """``nightjar serve --replicas N``: deploy, then wait for Ctrl+C; shut Serve down when this process
     started Ray."""
     import ray
-    from ray import serve
 
     from nightjar.kernel.config import EngineConfig
 
@@ -118,17 +117,34 @@ def serve_cluster(engine_kwargs: dict, opts: ClusterOptions, log_level: str = "i
     kwargs = dict(engine_kwargs)
     model_name = str(kwargs.pop("served_model_name", None) or kwargs.get("model", EngineConfig().model))
     owned = opts.ray_address is None
-    url = start(kwargs, model_name, opts)
-    log.info("serving %s on %s with %s - Ctrl+C to stop", model_name, url,
-             f"{opts.num_replicas} replicas" if opts.min_replicas is None
-             else f"{opts.min_replicas}..{opts.max_replicas} replicas (autoscaling)")
     try:
+        url = start(kwargs, model_name, opts)
+        log.info("serving %s on %s with %s - Ctrl+C to stop", model_name, url,
+                 f"{opts.num_replicas} replicas" if opts.min_replicas is None
+                 else f"{opts.min_replicas}..{opts.max_replicas} replicas (autoscaling)")
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:        # also while deploying
         pass
     finally:
-        serve.delete(APP_NAME)
-        if owned:
-            serve.shutdown()
-            ray.shutdown()
+        if ray.is_initialized():
+            _teardown(owned)
+
+
+def _teardown(owned: bool) -> None:
+    """Remove the app and its metrics board (detached: it would outlive us on a joined cluster); stop Serve
+    and Ray when this process started them."""
+    import ray
+    from ray import serve
+
+    from nightjar.deploy.serve_app import BOARD_NAMESPACE
+
+    for step in (lambda: serve.delete(APP_NAME),
+                 lambda: ray.kill(ray.get_actor(board_name(), namespace=BOARD_NAMESPACE))):
+        try:
+            step()
+        except Exception as e:       # best effort on the way out
+            log.debug("teardown: %s", e)
+    if owned:
+        serve.shutdown()
+        ray.shutdown()

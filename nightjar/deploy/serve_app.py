@@ -124,10 +124,14 @@ class EngineReplica:
             raise RuntimeError("the engine is not running")
 
     async def __del__(self):
-        if self.pusher is not None:
-            self.pusher.cancel()
-        self.st.detach()
-        await self.engine.stop()
+        """Serve's shutdown hook; also called for a replica stopped while ``__init__`` was still running."""
+        pusher, st, engine = (getattr(self, k, None) for k in ("pusher", "st", "engine"))
+        if pusher is not None:
+            pusher.cancel()
+        if st is not None:
+            st.detach()
+        if engine is not None and getattr(engine, "started", False):
+            await engine.stop()
 
 
 class Ingress:
