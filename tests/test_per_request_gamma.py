@@ -118,3 +118,25 @@ def test_a_simulated_mixed_workload_records_per_row_gammas_that_replay_reproduce
     assert sum(1 for m in planned if m.gammas and len(set(m.gammas)) > 1) >= 10
     res = replay_file(str(path))
     assert res.ok, res.summary()
+
+
+def test_per_request_acceptance_fitted_from_a_trace_recovers_the_request_classes(tmp_path):
+    """A simulated run with two synthetic classes, recorded; AcceptanceMix.from_trace (what
+    ``nightjar simulate --acceptance-mix trace:FILE`` uses) finds each request's class again."""
+    from nightjar.actors.step_profile import roofline_profile
+    from nightjar.kernel.messages import StepVerified
+    from nightjar.kernel.trace import TraceReader
+    from nightjar.offline.sim.executors import AcceptanceMix
+    from nightjar.offline.sim.workload import make_workload
+    from nightjar.offline.simulate import SimConfig, simulate
+
+    path = tmp_path / "sim.njtrace"
+    mix = AcceptanceMix.parse("0.5:0.9;0.5:0.1")
+    wl = make_workload("poisson:1", seed=1, num_requests=30, prompt_mean=64, output_mean=96, sigma=0.3, max_len=512)
+    simulate(roofline_profile("a100", "13b"), wl, "fixed:3", SimConfig(gamma_max=4, closed_loop=8, max_model_len=512),
+             mix, trace=str(path))
+    steps = [e.msg for e in TraceReader(str(path)) if isinstance(e.msg, StepVerified)]
+    fitted = AcceptanceMix.from_trace(steps, 4)
+    firsts = sorted(v[0] for _, v in fitted.classes)
+    assert len(firsts) == 30
+    assert all(x < 0.3 or x > 0.7 for x in firsts) and firsts[0] < 0.3 < 0.7 < firsts[-1]

@@ -203,6 +203,12 @@ def load_profile(a: argparse.Namespace) -> Profile:
 
 def acceptance_model(a: argparse.Namespace):
     """The shared per-position rates, or an AcceptanceMix of request classes (``--acceptance-mix``)."""
+    if a.acceptance_mix and a.acceptance_mix.startswith("trace:"):
+        from nightjar.kernel.messages import StepVerified
+        from nightjar.kernel.trace import TraceReader
+        path = a.acceptance_mix[len("trace:"):]
+        steps = [e.msg for e in TraceReader(path, allow_schema_drift=True) if isinstance(e.msg, StepVerified)]
+        return AcceptanceMix.from_trace(steps, a.gamma_max)
     if a.acceptance_mix:
         try:
             return AcceptanceMix.parse(a.acceptance_mix)
@@ -250,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--acceptance", default=None, help="per-position acceptance rates, e.g. 0.8,0.75,0.7")
     e.add_argument("--fit-trace", default=None, help="fit per-position acceptance from a recorded trace")
     e.add_argument("--acceptance-mix", default=None, metavar="W:R[,R..];W:R..",
-                   help="per-request acceptance (synthetic): request classes drawn by weight, e.g. "
-                        "'0.5:0.9;0.5:0.1' (half accept 0.9 per position, half 0.1)")
+                   help="per-request acceptance: request classes drawn by weight, e.g. '0.5:0.9;0.5:0.1' "
+                        "(synthetic: half accept 0.9 per position, half 0.1), or 'trace:RUN.njtrace' (one "
+                        "class per recorded request, its rates fitted from the rows it drafted)")
     p.add_argument("--trace-out", default=None, help="record the (first policy's) simulated bus to this trace")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     return p

@@ -203,6 +203,34 @@ class AcceptanceMix:
         return tuple(sum(w * v[i] for w, v in self.classes) / self.total for i in range(n))
 
     @classmethod
+    def from_trace(cls, steps, gamma_max: int, min_reached: int = 5) -> "AcceptanceMix":
+        """One class per request of a recorded run (equal weights), its per-position conditional rates
+        fitted from the StepVerified rows it drafted in (γ_i, accepted); a position it reached fewer than
+        ``min_reached`` times takes the run's pooled rate there."""
+        num: dict[int, list[int]] = {}
+        den: dict[int, list[int]] = {}
+        for v in steps:
+            if not v.gamma:
+                continue
+            gam = v.gammas or (v.gamma,) * v.num_decode
+            for rid, g, a in zip(v.req_ids, gam, v.accepted):
+                if g <= 0:
+                    continue
+                n, d = num.setdefault(rid, [0] * gamma_max), den.setdefault(rid, [0] * gamma_max)
+                for i in range(min(a, g - 1, gamma_max - 1) + 1):
+                    d[i] += 1
+                    n[i] += a > i
+        if not den:
+            raise ValueError("the trace has no drafting steps to fit per-request acceptance from")
+        pooled = [sum(n[i] for n in num.values()) / max(1, sum(d[i] for d in den.values())) for i in range(gamma_max)]
+        classes = []
+        for rid, d in den.items():
+            n = num[rid]
+            classes.append((1.0, tuple(min(0.999, n[i] / d[i]) if d[i] >= min_reached else pooled[i]
+                                       for i in range(gamma_max))))
+        return cls(classes)
+
+    @classmethod
     def parse(cls, spec: str) -> "AcceptanceMix":
         """``W:R1,R2,..;W:R1,..`` e.g. ``0.5:0.9;0.5:0.1`` (a single rate repeats over positions)."""
         classes = []
