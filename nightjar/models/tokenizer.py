@@ -60,6 +60,10 @@ class ChatTokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
 
+    def __getstate__(self) -> dict:
+        """Picklable (e.g. shipped to a Ray Serve replica): the compiled template is rebuilt on first use."""
+        return {**self.__dict__, "_template": None}
+
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_token is not None:

@@ -38,3 +38,4 @@ def test_the_servers_real_exposition_merges_into_parseable_labelled_samples():
     assert len(flat) == 2 * len(plain) and all('replica="' in k for k in flat)
     assert merged.count("# TYPE nightjar:num_requests_running gauge") == 1
     assert merge_replica_metrics({}) == ""
+

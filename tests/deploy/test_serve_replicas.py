@@ -21,8 +21,10 @@ from ray import serve  # noqa: E402
 
 from nightjar.deploy.cluster import APP_NAME, ClusterOptions, start  # noqa: E402
 from nightjar.deploy.serve_app import REPLICA_HEADER  # noqa: E402
+from nightjar.models import LoadedModel  # noqa: E402
 from tests.api.api_support import API_KEY, MODEL  # noqa: E402
 from tests.api.test_malformed_requests import CASES, CHAT, LIMIT, chat  # noqa: E402
+from tests.conftest import perturbed, random_model, tiny_config  # noqa: E402
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -34,8 +36,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_pair):
-    """Two replicas with 1 CPU each, the engine settings of the malformed-request suite's server."""
+def cluster(smol_tokenizer):
+    """Two replicas with 1 CPU each, the engine settings of the malformed-request suite's server, on a
+    fresh copy of the tiny pair (what is shipped to the replicas is pickled: nothing other tests did to the
+    session's pair travels with it)."""
+    cfg = tiny_config(eos=smol_tokenizer.eos_token_ids)
+    target = random_model(cfg, seed=1)
+    tiny_pair = (LoadedModel(target, smol_tokenizer, "tiny"),
+                 LoadedModel(perturbed(target, 0.02, 2), None, "tiny-draft"))
     port = _free_port()
     opts = ClusterOptions(num_replicas=2, replica_cpus=1, port=port, api_key=API_KEY, max_body_bytes=LIMIT)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
