@@ -254,6 +254,7 @@ def main(argv=None) -> None:
     sections = a.sections.split(",")
     if "kernels" in sections:
         kernel_table([1, 4, 16, 32, 64, 128, 256], [(3072, 576), (576, 1536)], a.reps)
+        kernel_table([1, 5, 16], [(49152, 576)], a.reps)                 # the (tied) LM head's shape
         if sections == ["kernels"]:
             return
     variants = load_variants(a.model, a.modes.split(","))

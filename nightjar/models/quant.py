@@ -12,7 +12,7 @@ quantization (tests/models/test_quant.py checks this against the raw Q4_1 blocks
 scales cannot be expressed by per-channel int8 scales: int8 requantizes.
 
 The packed kernels are GEMV-shaped: their time grows about linearly in the rows M of x. Past
-``PACKED_MAX_ROWS`` rows (prefill chunks, large batches) a layer dequantizes its weight once per call (in
+``PACKED_MAX_ROWS[mode]`` rows (prefill chunks, large batches) a layer dequantizes its weight once per call (in
 the activations' dtype) and runs one dense GEMM instead. The LM head is not quantized (see
 docs/quantization.md for the measurements).
 """
@@ -24,7 +24,8 @@ from torch import nn
 
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 64 (K % group == 0)
-PACKED_MAX_ROWS = 32       # rows up to which the packed kernel beats dequantize + GEMM (measured)
+PACKED_MAX_ROWS = {"int8": 16, "int4": 48}   # rows up to which the packed kernel beats dequantize + GEMM
+                                            # (bench/quant_quality.py --sections kernels; docs/quantization.md)
 _INNER_K_TILES = 2         # the CPU packer's argument (it is ignored on CPU; 2 is what torchao passes)
 
 
@@ -58,7 +59,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                          # [M, in]
-        if x2.shape[0] > PACKED_MAX_ROWS:
+        if x2.shape[0] > PACKED_MAX_ROWS[self.mode]:
             y = self.dense_mm(x2)                                        # [M, out]
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
