@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from nightjar.api import core
+from nightjar.api.heap import trim_when_idle
 from nightjar.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nightjar.api.metrics import ServerMetrics
 from nightjar.api.schemas import ApiError
@@ -80,6 +81,7 @@ class EngineReplica:
                                    metrics=ServerMetrics(gamma_max))
         self.st.attach()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.trimmer = asyncio.create_task(trim_when_idle(self.engine), name="nightjar:heap-trim")  # as `serve`
         self.pusher = None
         if board_name is not None:
             self.pusher = asyncio.create_task(self._push_metrics(board_name), name="nightjar:metrics-push")
@@ -116,18 +118,16 @@ class EngineReplica:
         finally:
             await reply.aclose()
 
-    async def metrics_text(self) -> tuple[str, str]:
-        return self.replica_id, self.st.metrics.render().decode()
-
     def check_health(self) -> None:
         if not self.engine.healthy:
             raise RuntimeError("the engine is not running")
 
     async def __del__(self):
         """Serve's shutdown hook; also called for a replica stopped while ``__init__`` was still running."""
-        pusher, st, engine = (getattr(self, k, None) for k in ("pusher", "st", "engine"))
-        if pusher is not None:
-            pusher.cancel()
+        pusher, trimmer, st, engine = (getattr(self, k, None) for k in ("pusher", "trimmer", "st", "engine"))
+        for task in (pusher, trimmer):
+            if task is not None:
+                task.cancel()
         if st is not None:
             st.detach()
         if engine is not None and getattr(engine, "started", False):
