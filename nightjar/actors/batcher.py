@@ -38,6 +38,7 @@ class Seq:
     num_blocks: int = 0          # blocks the pool holds for it (mirror of the KV actor)
     running: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    max_len: int = 0             # token count it may reach: min(prompt + max_tokens, max_model_len)
 
     @property
     def num_output(self) -> int:
@@ -92,8 +93,9 @@ class Batcher(Actor):
     def _admit(self, msg: RequestAdmitted) -> None:
         sp = msg.sampling
         stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_ids)
-        self.seqs[msg.req_id] = Seq(msg.req_id, sp, msg.speculate, list(msg.prompt_ids), len(msg.prompt_ids),
-                                    self.arrivals, stop_ids=stop)
+        n = len(msg.prompt_ids)
+        self.seqs[msg.req_id] = Seq(msg.req_id, sp, msg.speculate, list(msg.prompt_ids), n, self.arrivals,
+                                    stop_ids=stop, max_len=min(n + sp.max_tokens, self.max_model_len))
         self.arrivals += 1
         self.waiting.append(msg.req_id)
 
@@ -125,9 +127,11 @@ class Batcher(Actor):
     def _mirror_blocks(self, msg: BlocksReserved) -> None:
         if self.inflight is None or msg.step != self.inflight.step:
             return
+        seqs = self.seqs
         for rid, table in zip(self.inflight.req_ids, msg.block_tables):
-            if rid in self.seqs:
-                self.seqs[rid].num_blocks = len(table)
+            seq = seqs.get(rid)
+            if seq is not None:
+                seq.num_blocks = len(table)
         self.num_free = msg.num_free
 
     # ---- commit --------------------------------------------------------------------------------
@@ -135,17 +139,21 @@ class Batcher(Actor):
         sched, self.inflight = self.inflight, None
         if sched is None or sched.step != msg.step:
             return []
+        seqs = self.seqs
+        rows = [seqs.get(rid) for rid in msg.req_ids]        # None: the request is gone
+        self._advance_decode(rows, sched, msg)
+        self._advance_prefill(rows, sched)
         ids, counts, toks, comp, fin, nprompt = [], [], [], [], [], []
-        seqs, tokens, pos = self.seqs, msg.tokens, 0
-        for row, (rid, c) in enumerate(zip(msg.req_ids, msg.counts)):
+        tokens, pos, none = msg.tokens, 0, int(FinishReason.NONE)
+        for seq, rid, c in zip(rows, msg.req_ids, msg.counts):
             new = tokens[pos: pos + c]
             pos += c
-            seq = seqs.get(rid)
             if seq is None:
                 continue
-            g = msg.gammas[row] if msg.gammas and row < msg.num_decode else msg.gamma
-            self._advance_counters(seq, sched, row, msg.accepted[row], g)
-            kept, reason = self._apply_stops(seq, new)
+            if c < seq.max_len - len(seq.tokens) and seq.stop_ids.isdisjoint(new):
+                kept, reason = new, none                    # the common case: no stop, room left
+            else:
+                kept, reason = self._apply_stops(seq, new)
             seq.tokens.extend(kept)
             if self.aborts and rid in self.aborts:
                 kept, reason = (), self.aborts.pop(rid)
@@ -163,21 +171,30 @@ class Batcher(Actor):
         return out + ([ReleaseBlocks(req_ids=done)] if done else [])
 
     @staticmethod
-    def _advance_counters(seq: Seq, sched: StepScheduled, row: int, accepted: int, gamma: int) -> None:
-        """KV counters and draft lag after one row's result (``gamma``: the row's γ_i)."""
-        if row < sched.num_decode:
+    def _advance_decode(rows: list[Seq | None], sched: StepScheduled, msg: StepVerified) -> None:
+        """KV counters and draft lag of the decode rows (before their new tokens are appended);
+        a row's γ_i is ``msg.gammas[row]`` when the step carries them, else the batch γ."""
+        nd = sched.num_decode
+        gams = list(msg.gammas[: msg.num_decode]) if msg.gammas else []
+        gams += [msg.gamma] * (nd - len(gams))
+        for seq, spec, accepted, g in zip(rows[:nd], sched.speculate, msg.accepted, gams):
+            if seq is None:
+                continue
             n = len(seq.tokens)
             seq.num_computed = n + accepted
-            if gamma > 0 and sched.speculate[row]:
-                seq.draft_computed = n + min(accepted, gamma - 1)
-        else:
-            seq.num_computed = sched.starts[row] + len(sched.chunk_ids[row])
+            if g > 0 and spec:
+                seq.draft_computed = n + min(accepted, g - 1)
+
+    @staticmethod
+    def _advance_prefill(rows: list[Seq | None], sched: StepScheduled) -> None:
+        nd = sched.num_decode
+        for seq, start, chunk in zip(rows[nd:], sched.starts[nd:], sched.chunk_ids[nd:]):
+            if seq is not None:
+                seq.num_computed = start + len(chunk)
 
     def _apply_stops(self, seq: Seq, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason]:
         sp, done = seq.sampling, seq.num_output
-        room = min(sp.max_tokens - done, self.max_model_len - len(seq.tokens))     # tokens still allowed
-        if len(new) < room and seq.stop_ids.isdisjoint(new):
-            return new, FinishReason.NONE                                          # the common case
+        room = seq.max_len - len(seq.tokens)                                       # tokens still allowed
         for i, tok in enumerate(new):
             if tok in seq.stop_ids and done + i + 1 > sp.min_tokens:
                 return new[: i + 1], FinishReason.STOP
@@ -218,7 +235,10 @@ class Batcher(Actor):
         """Preempt (recompute) the newest running requests until every decode row has a slot.
         Returns the preempted ids and the blocks each remaining decode row needs."""
         preempted = []
-        need = {r: self._blocks_for(self.seqs[r], self.seqs[r].num_computed + 1) for r in decode}
+        seqs, bs, need = self.seqs, self.block_size, {}
+        for r in decode:                            # _blocks_for(seq, num_computed + 1), inlined
+            s = seqs[r]
+            need[r] = max(0, -(-(s.num_computed + 1) // bs) - s.num_blocks)
         while True:
             if sum(need.values()) <= self.num_free or len(self.running) <= 1:
                 return tuple(preempted), need
@@ -270,15 +290,18 @@ class Batcher(Actor):
     def _build_step(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> StepScheduled:
         self.step += 1
         S = self.seqs
-        rows = [(r, S[r].num_computed, (S[r].tokens[-1],)) for r in decode]
-        rows += [(r, s, tuple(S[r].tokens[s: s + n])) for r, s, n in prefill]
-        lags = [len(S[r].tokens) - 1 - S[r].draft_computed for r in decode if S[r].speculate]
+        dec = [S[r] for r in decode]
+        pre = [S[r] for r, _, _ in prefill]
+        lags = [len(q.tokens) - 1 - q.draft_computed for q in dec if q.speculate]
         return StepScheduled(
-            step=self.step, req_ids=tuple(r for r, _, _ in rows), starts=tuple(s for _, s, _ in rows),
-            chunk_ids=tuple(c for _, _, c in rows), num_decode=len(decode),
-            draft_computed=tuple(S[r].draft_computed for r in decode),
-            speculate=tuple(S[r].speculate for r in decode),
-            prefill_done=tuple(s + n == len(S[r].tokens) for r, s, n in prefill),
+            step=self.step, req_ids=tuple(decode) + tuple(r for r, _, _ in prefill),
+            starts=tuple([q.num_computed for q in dec] + [s for _, s, _ in prefill]),
+            chunk_ids=tuple([(q.tokens[-1],) for q in dec] + [tuple(q.tokens[s: s + n])
+                                                               for q, (_, s, n) in zip(pre, prefill)]),
+            num_decode=len(decode),
+            draft_computed=tuple(q.draft_computed for q in dec),
+            speculate=tuple(q.speculate for q in dec),
+            prefill_done=tuple(s + n == len(q.tokens) for q, (_, s, n) in zip(pre, prefill)),
             max_draft_lag=max(lags, default=0), num_waiting=len(self.waiting),
         )
 
