@@ -57,30 +57,28 @@ class KVPoolActor(Actor):
             if self.alloc.has_seq(rid):
                 self.alloc.free(rid)
 
-    def _needs(self, gammas: tuple[int, ...]) -> list[tuple[int, int]]:
-        s = self.sched
-        needs = []
-        for row, rid in enumerate(s.req_ids):
-            extra = gammas[row] if row < s.num_decode else 0
-            needs.append((rid, s.starts[row] + len(s.chunk_ids[row]) + extra))
-        return needs
+    @staticmethod
+    def _needs(ends: list[int], gammas: tuple[int, ...], num_decode: int) -> list[int]:
+        """Slots each row must cover: its chunk's end, plus γ_i lookahead for a decode row."""
+        return [e + g for e, g in zip(ends[:num_decode], gammas)] + ends[num_decode:]
 
     def _reserve(self, gamma: int, per_row: tuple[int, ...] = ()) -> BlocksReserved:
         """Reserve the step's slots (γ_i per row); when blocks run short, cap every row's γ_i one lower
         at a time (the batch-level γ is lowered for the whole step)."""
-        needed = self.alloc.blocks_needed
+        needed = self.alloc.blocks_needed_rows
         s = self.sched
         gammas = row_gammas(gamma, per_row, s.speculate, s.num_decode)
+        ends = [start + len(chunk) for start, chunk in zip(s.starts, s.chunk_ids)]
         while True:
-            needs = self._needs(gammas)
-            extra = [needed(r, n) for r, n in needs]
+            needs = self._needs(ends, gammas, s.num_decode)
+            extra = needed(s.req_ids, needs)
             if gamma == 0 or sum(extra) <= self.alloc.num_free:
                 break
             gamma -= 1
             gammas = tuple(min(g, gamma) for g in gammas)
         if per_row:
             gamma = max(gammas, default=0)
-        for (rid, n), e in zip(needs, extra):
+        for rid, n, e in zip(s.req_ids, needs, extra):
             if e or not self.alloc.has_seq(rid):
                 self.alloc.reserve(rid, n)
         return BlocksReserved(step=s.step, gamma=gamma,
@@ -89,8 +87,7 @@ class KVPoolActor(Actor):
                               gammas=gammas if per_row and gamma else ())
 
     def _commit(self, msg: TokensCommitted) -> None:
-        for rid, n in zip(msg.req_ids, msg.num_computed):
-            self.alloc.set_committed(rid, n)
+        self.alloc.set_committed_rows(msg.req_ids, msg.num_computed)
 
     def _grow(self, n: int) -> PoolResized:
         """A new segment: no copy of the existing cache."""

@@ -30,13 +30,15 @@ class KVPoolError(RuntimeError):
 
 
 class _Seq:
-    """Per-sequence state: block table plus committed-slot count."""
+    """Per-sequence state: block table plus committed-slot count (``frozen``: the table as a tuple,
+    kept until the table changes)."""
 
-    __slots__ = ("table", "committed")
+    __slots__ = ("table", "committed", "frozen")
 
     def __init__(self, table: list[int] | None = None, committed: int = 0) -> None:
         self.table: list[int] = table if table is not None else []
         self.committed = committed
+        self.frozen: tuple[int, ...] | None = None
 
 
 class BlockAllocator:
@@ -133,6 +135,16 @@ class BlockAllocator:
         have = len(seq.table) if seq is not None else 0
         return max(0, -(-num_tokens // self._bs) - have)
 
+    def blocks_needed_rows(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[int]:
+        """``blocks_needed`` for each (seq, num_tokens) pair, in one pass."""
+        seqs, bs, out = self._seqs, self._bs, []
+        for sid, n in zip(seq_ids, num_tokens):
+            if n < 0:
+                raise KVPoolError(f"num_tokens must be >= 0, got {n}")
+            seq = seqs.get(sid)
+            out.append(max(0, -(-n // bs) - (len(seq.table) if seq is not None else 0)))
+        return out
+
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Grow ``seq_id``'s table to cover ``num_tokens`` slots; all-or-nothing."""
         need = self.blocks_needed(seq_id, num_tokens)
@@ -140,7 +152,9 @@ class BlockAllocator:
             raise KVPoolError(
                 f"seq {seq_id!r}: need {need} blocks for {num_tokens} tokens, only {self._num_free} free")
         seq = self._seqs.setdefault(seq_id, _Seq())
-        seq.table.extend(self._alloc(need))
+        if need:
+            seq.table.extend(self._alloc(need))
+            seq.frozen = None
 
     def commit(self, seq_id: int, num_tokens: int) -> None:
         """Record that slots ``[0, num_tokens)`` hold valid KV (non-decreasing, <= capacity)."""
@@ -168,11 +182,25 @@ class BlockAllocator:
             raise KVPoolError(f"seq {seq_id!r}: commit {num_tokens} outside [0, {len(seq.table) * self._bs}]")
         seq.committed = num_tokens
 
+    def set_committed_rows(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """``set_committed`` for each (seq, num_tokens) pair."""
+        seqs, bs = self._seqs, self._bs
+        for sid, n in zip(seq_ids, num_tokens):
+            seq = seqs.get(sid)
+            if seq is None or n == seq.committed:
+                continue
+            if not 0 <= n <= len(seq.table) * bs:
+                raise KVPoolError(f"seq {sid!r}: commit {n} outside [0, {len(seq.table) * bs}]")
+            seq.committed = n
+
     def num_committed(self, seq_id: int) -> int:
         return self._seq(seq_id).committed
 
     def block_table(self, seq_id: int) -> tuple[int, ...]:
-        return tuple(self._seq(seq_id).table)
+        seq = self._seq(seq_id)
+        if seq.frozen is None:
+            seq.frozen = tuple(seq.table)
+        return seq.frozen
 
     def free(self, seq_id: int) -> int:
         """Drop ``seq_id`` and its references; return how many blocks became free."""
@@ -258,6 +286,7 @@ class BlockAllocator:
             self._refcount[d] = self._refcount[s]
         for seq in self._seqs.values():
             seq.table[:] = [remap.get(b, b) for b in seq.table]
+            seq.frozen = None
         start, n = self._segments.pop()
         self._starts.pop()
         self._live.pop()
