@@ -82,7 +82,7 @@ class KVPoolActor(Actor):
             if e or not self.alloc.has_seq(rid):
                 self.alloc.reserve(rid, n)
         return BlocksReserved(step=s.step, gamma=gamma,
-                              block_tables=tuple(self.alloc.block_table(r) for r in s.req_ids),
+                              block_tables=self.alloc.block_tables(s.req_ids),
                               num_free=self.alloc.num_free, num_total=self.alloc.num_total,
                               gammas=gammas if per_row and gamma else ())
 

@@ -202,6 +202,10 @@ class BlockAllocator:
             seq.frozen = tuple(seq.table)
         return seq.frozen
 
+    def block_tables(self, seq_ids: Iterable[int]) -> tuple[tuple[int, ...], ...]:
+        """``block_table`` of each seq, in order."""
+        return tuple(map(self.block_table, seq_ids))
+
     def free(self, seq_id: int) -> int:
         """Drop ``seq_id`` and its references; return how many blocks became free."""
         seq = self._seqs.pop(seq_id, None)

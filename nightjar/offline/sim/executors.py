@@ -83,15 +83,14 @@ class SimExecutor:
         counts, accepted = [], []
         per_pos = [0] * g
         n_spec = catch = 0
-        spec = s.speculate
-        for i in range(nd):
-            if g and spec[i]:
+        for spec, start, dc in zip(s.speculate, s.starts, s.draft_computed):       # the decode rows
+            if g and spec:
                 n_spec += 1
                 a = 0
                 while a < g and rnd() < acc[a]:
                     per_pos[a] += 1
                     a += 1
-                lag = s.starts[i] - s.draft_computed[i]
+                lag = start - dc
                 if lag >= 2:
                     catch += lag
                 counts.append(a + 1)
@@ -101,8 +100,8 @@ class SimExecutor:
                 accepted.append(0)
         emitted = sum(counts)
         n_pre = 0
-        for j, done in enumerate(s.prefill_done):
-            n_pre += len(s.chunk_ids[nd + j])
+        for done, chunk in zip(s.prefill_done, s.chunk_ids[nd:]):
+            n_pre += len(chunk)
             counts.append(1 if done else 0)
             accepted.append(0)
         ctx = sum(s.starts) if p.kv_s_per_ctx_token else 0
