@@ -17,7 +17,8 @@ model; int8/int4 = layers quantized, LM head bf16). Sections:
   (``--max-tokens``) is the reference text. Per variant: teacher-forced top-1 agreement with bf16 on the
   answer positions; free-running greedy agreement with bf16 (share of the ``--max-tokens`` generated tokens
   before the first difference, and the share of identical answers); mean log-likelihood per token of the
-  reference answers and of the prompts' own text (human-written, produced by no variant).
+  reference answers and of the prompts' own text (human-written, produced by no variant). The fp32 model
+  itself is the last row: how far bf16 alone already is from it.
 * **stream**: single-stream output tokens/s through the Engine (greedy, one request at a time) per
   variant and policy, the engines alternating prompt by prompt; the draft is quantized as the target.
 """
@@ -267,7 +268,7 @@ def main(argv=None) -> None:
         ref = load_quantized(a.model, "float32", "cpu", "none")
         tok = next(iter(variants.values())).tokenizer or ref.tokenizer
         ids, spans = encode_prompts(tok, texts)
-        quality(variants, ref.model, ids, spans, a.max_tokens)
+        quality({**variants, "fp32 (reference)": ref}, ref.model, ids, spans, a.max_tokens)
         del ref
     if "stream" in sections:
         stream(variants, a.model, a.policies.split(","), texts, a.max_tokens)
