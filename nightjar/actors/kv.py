@@ -78,9 +78,7 @@ class KVPoolActor(Actor):
             gammas = tuple(min(g, gamma) for g in gammas)
         if per_row:
             gamma = max(gammas, default=0)
-        for rid, n, e in zip(s.req_ids, needs, extra):
-            if e or not self.alloc.has_seq(rid):
-                self.alloc.reserve(rid, n)
+        self.alloc.reserve_rows(s.req_ids, needs, extra)
         return BlocksReserved(step=s.step, gamma=gamma,
                               block_tables=self.alloc.block_tables(s.req_ids),
                               num_free=self.alloc.num_free, num_total=self.alloc.num_total,

@@ -156,6 +156,13 @@ class BlockAllocator:
             seq.table.extend(self._alloc(need))
             seq.frozen = None
 
+    def reserve_rows(self, seq_ids: Sequence[int], num_tokens: Sequence[int], extra: Sequence[int]) -> None:
+        """``reserve`` each row that is new or short of blocks (``extra``: its ``blocks_needed``)."""
+        seqs = self._seqs
+        for sid, n, e in zip(seq_ids, num_tokens, extra):
+            if e or sid not in seqs:
+                self.reserve(sid, n)
+
     def commit(self, seq_id: int, num_tokens: int) -> None:
         """Record that slots ``[0, num_tokens)`` hold valid KV (non-decreasing, <= capacity)."""
         seq = self._seq(seq_id)
@@ -204,7 +211,15 @@ class BlockAllocator:
 
     def block_tables(self, seq_ids: Iterable[int]) -> tuple[tuple[int, ...], ...]:
         """``block_table`` of each seq, in order."""
-        return tuple(map(self.block_table, seq_ids))
+        seqs = self._seqs
+        out = []
+        for sid in seq_ids:
+            seq = seqs.get(sid)
+            if seq is None or seq.frozen is None:
+                out.append(self.block_table(sid))      # unknown (raises) or changed since last read
+            else:
+                out.append(seq.frozen)
+        return tuple(out)
 
     def free(self, seq_id: int) -> int:
         """Drop ``seq_id`` and its references; return how many blocks became free."""
