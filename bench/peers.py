@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,9 +83,10 @@ def run_transformers(prompts, max_tokens, concurrency, ignore_eos, threads):
     t0 = time.perf_counter()
     single = sum(gen([t]) for t in texts)
     t1 = time.perf_counter()
-    batched = sum(gen(texts[i:i + concurrency]) for i in range(0, len(texts), concurrency))
+    batched = sum(gen(texts[i:i + concurrency]) for i in range(0, len(texts), concurrency)) if concurrency else 0
     t2 = time.perf_counter()
-    return {"status": "ok", "single_tok_s": _rate(single, t1 - t0), "concurrent_tok_s": _rate(batched, t2 - t1),
+    return {"status": "ok", "single_tok_s": _rate(single, t1 - t0),
+            "concurrent_tok_s": _rate(batched, t2 - t1) if concurrency else None,
             "tokens": [single, batched], "dtype": "float32 (dequantized GGUF)"}
 
 
@@ -133,11 +135,66 @@ def run_nightjar(prompts, max_tokens, concurrency, ignore_eos, policy, server_ar
             async def bounded(p):
                 async with sem:
                     return await one(eng, p)
-            batched = sum(await asyncio.gather(*(bounded(p) for p in prompts)))
+            batched = sum(await asyncio.gather(*(bounded(p) for p in prompts))) if concurrency else 0
             t2 = time.perf_counter()
-        return {"status": "ok", "single_tok_s": _rate(single, t1 - t0), "concurrent_tok_s": _rate(batched, t2 - t1),
-                "tokens": [single, batched]}
+        return {"status": "ok", "single_tok_s": _rate(single, t1 - t0),
+                "concurrent_tok_s": _rate(batched, t2 - t1) if concurrency else None, "tokens": [single, batched]}
     return asyncio.run(main())
+
+
+def backend_runners(a, prompts) -> list[tuple[str, object]]:
+    """(row name, zero-argument runner) per backend and Nightjar entry (POLICY or POLICY@FLAGS)."""
+    from nightjar.bench.compare import split_variant
+
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    out = []
+    if "transformers" in backends:
+        out.append(("transformers", lambda: run_transformers(prompts, a.output_len, a.concurrency, a.ignore_eos,
+                                                             a.threads)))
+    if "llama.cpp" in backends:
+        out.append(("llama.cpp", lambda: run_llamacpp(prompts, a.output_len, a.threads)))
+    if "nightjar" in backends:
+        for entry in [p.strip() for p in a.policies.split(",") if p.strip()]:
+            pol, extra = split_variant(entry)
+            flags = f"{a.server_args} {extra}".strip()
+            out.append((f"nightjar {entry}", lambda pol=pol, flags=flags: run_nightjar(
+                prompts, a.output_len, a.concurrency, a.ignore_eos, pol, flags)))
+    return out
+
+
+def run_rounds(runners, repeats: int) -> dict[str, list[dict]]:
+    """Every runner once per round, the order rotated each round (a noisy box slows them alike)."""
+    rows: dict[str, list[dict]] = {name: [] for name, _ in runners}
+    for r in range(repeats):
+        k = r % len(runners)
+        for name, fn in runners[len(runners) - k:] + runners[:len(runners) - k]:
+            print(f"round {r + 1}/{repeats}: {name} ...", file=sys.stderr)
+            try:
+                rows[name].append(fn())
+            except Exception as e:
+                rows[name].append({"status": f"failed: {type(e).__name__}: {e}"})
+    return rows
+
+
+def _median(rs: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in rs if r.get(key) is not None]
+    return statistics.median(xs) if xs else None
+
+
+def print_table(rows: dict[str, list[dict]], a, n_prompts: int) -> None:
+    print(f"\n{n_prompts} prompts ({a.dataset_name}), max_tokens {a.output_len}, greedy"
+          f"{', ignore_eos' if a.ignore_eos else ''}, {a.threads} threads, {a.repeats} rotated round(s), medians\n")
+    ref = {b: _median(rows.get(b, []), "single_tok_s") for b in ("llama.cpp", "transformers")}
+    f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+    x = lambda v, b: "n/a" if v is None or not ref[b] else f"{v / ref[b]:.2f}x"  # noqa: E731
+    print(f"| backend | single-stream tok/s | vs llama.cpp | vs transformers | concurrency {a.concurrency} tok/s "
+          "| status |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, rs in rows.items():
+        single = _median(rs, "single_tok_s")
+        status = rs[-1]["status"] if rs else "not run"
+        print(f"| {name} | {f(single)} | {x(single, 'llama.cpp')} | {x(single, 'transformers')} | "
+              f"{f(_median(rs, 'concurrent_tok_s'))} | {status} |")
 
 
 def main(argv=None) -> int:
@@ -145,13 +202,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dataset-name", default="prompts")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=16, help="0: single stream only")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--policies", default="off,nightjar", help="Nightjar policies ('' to skip Nightjar)")
-    ap.add_argument("--server-args", default="", help="Nightjar engine flags, e.g. '--dtype float32'")
+    ap.add_argument("--policies", default="off,nightjar",
+                    help="Nightjar entries ('' to skip Nightjar); POLICY@FLAGS adds engine flags to one entry, "
+                         "e.g. fixed:1@--quantization int4")
+    ap.add_argument("--server-args", default="", help="Nightjar engine flags for every entry, e.g. '--dtype float32'")
     ap.add_argument("--backends", default="transformers,llama.cpp,nightjar")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over every backend, order rotated")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     if not hub.is_pulled(hub.DEFAULT_MODEL):
@@ -160,29 +220,8 @@ def main(argv=None) -> int:
     reqs, _ = build_requests(a.dataset_name, a.num_prompts, seed=a.seed, tokenizer=load_tokenizer("auto"),
                              output_len=a.output_len)
     prompts = [r.prompt for r in reqs]
-    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
-    rows: dict[str, dict] = {}
-    if "transformers" in backends:
-        print("transformers ...", file=sys.stderr)
-        rows["transformers"] = run_transformers(prompts, a.output_len, a.concurrency, a.ignore_eos, a.threads)
-    if "llama.cpp" in backends:
-        print("llama.cpp ...", file=sys.stderr)
-        rows["llama.cpp"] = run_llamacpp(prompts, a.output_len, a.threads)
-    if "nightjar" in backends:
-        for pol in [p.strip() for p in a.policies.split(",") if p.strip()]:
-            print(f"nightjar {pol} ...", file=sys.stderr)
-            try:
-                rows[f"nightjar {pol}"] = run_nightjar(prompts, a.output_len, a.concurrency, a.ignore_eos, pol,
-                                                       a.server_args)
-            except Exception as e:
-                rows[f"nightjar {pol}"] = {"status": f"failed: {type(e).__name__}: {e}"}
-    print(f"\n{len(prompts)} prompts ({a.dataset_name}), max_tokens {a.output_len}, greedy"
-          f"{', ignore_eos' if a.ignore_eos else ''}, {a.threads} threads\n")
-    print(f"| backend | single-stream tok/s | concurrency {a.concurrency} tok/s | status |")
-    print("|---|---:|---:|---|")
-    for name, r in rows.items():
-        f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
-        print(f"| {name} | {f(r.get('single_tok_s'))} | {f(r.get('concurrent_tok_s'))} | {r['status']} |")
+    rows = run_rounds(backend_runners(a, prompts), max(1, a.repeats))
+    print_table(rows, a, len(prompts))
     if a.output_json:
         Path(a.output_json).write_text(json.dumps({"config": vars(a), "results": rows}, indent=2) + "\n")
     return 0
