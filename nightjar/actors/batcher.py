@@ -25,7 +25,7 @@ from nightjar.kernel.messages import (
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class Seq:
     req_id: int
     sampling: SamplingSpec
