@@ -26,7 +26,7 @@ MODES = ("none", "int8", "int4")
 INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 64 (K % group == 0)
 PACKED_MAX_ROWS = {"int8": 16, "int4": 48}   # rows up to which the packed kernel beats dequantize + GEMM
                                             # (bench/quant_quality.py --sections kernels; docs/quantization.md)
-_INNER_K_TILES = 2         # the CPU packer's argument (it is ignored on CPU; 2 is what torchao passes)
+_INNER_K_TILES = 2         # the packer's innerKTiles argument, as torchao passes it (the layout is in unpack_int4)
 
 
 class QuantLinear(nn.Module):
