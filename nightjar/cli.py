@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_config(EngineConfig(**engine_kwargs(a)))
                 from nightjar.offline.profile import cached_profile
                 a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size, a.device,
-                                                   log=lambda s: print(s, file=sys.stderr))
+                                                   log=lambda s: print(s, file=sys.stderr),
+                                                   quantization=a.quantization)
             check_config(EngineConfig(**engine_kwargs(a)))
         return a.func(a) or 0
     except ConfigError as e:

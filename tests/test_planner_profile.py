@@ -40,7 +40,7 @@ def test_a_bad_profile_file_is_a_config_error(make_engine, tmp_path):
         assert e.value.field == "planner_profile"
 
 
-def test_the_auto_profile_is_measured_once_per_model_dtype_and_machine(monkeypatch, tmp_path):
+def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_machine(monkeypatch, tmp_path):
     from nightjar.offline import profile as prof
 
     monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
@@ -56,8 +56,10 @@ def test_the_auto_profile_is_measured_once_per_model_dtype_and_machine(monkeypat
     a = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
     b = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
     c = prof.cached_profile("smollm2-135m", "default", "float32", log=lambda s: None)
-    assert a == b != c and len(runs) == 2 and a.startswith(str(tmp_path))
+    d = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None, quantization="int4")
+    assert a == b != c != d != a and len(runs) == 3 and a.startswith(str(tmp_path))
     assert "--quick" in runs[0] and runs[0][runs[0].index("--dtype") + 1] == "bfloat16"
+    assert runs[2][runs[2].index("--quantization") + 1] == "int4"       # measured with the int4 kernels
 
 
 def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_path, capsys, smollm2_path):

@@ -168,14 +168,20 @@ def build_profile(target, draft, *, name: str, block_size: int = 16, ctx: int = 
                          "threads": torch.get_num_threads(), "quick": quick, "measured": time.time()})
 
 
-def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu") -> Path:
-    """Where the planner profile of this model, draft, dtype and device on this machine is cached
-    (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``)."""
+# Bumped whenever the model's kernels change what a step costs (2: fused projections, oneDNN-packed
+# CPU weights), so that a profile cached before is measured again instead of misleading the planner.
+KERNELS_VERSION = 2
+
+
+def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:
+    """Where the planner profile of this model, draft, dtype, quantization and device on this machine is
+    cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``)."""
     root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}"
-    key = hashlib.sha256(f"{model}|{draft}|{dtype}|{machine}".encode()).hexdigest()[:16]
-    return root / f"{Path(str(model)).stem}-{dtype}-{key}.json"
+    key = hashlib.sha256(f"{model}|{draft}|{dtype}|{quantization}|{KERNELS_VERSION}|{machine}".encode()).hexdigest()
+    quant = "" if quantization == "none" else f"-{quantization}"
+    return root / f"{Path(str(model)).stem}-{dtype}{quant}-{key[:16]}.json"
 
 
 def _cpu_name() -> str:
@@ -187,14 +193,16 @@ def _cpu_name() -> str:
 
 
 def cached_profile(model: str, draft: str | None, dtype: str, block_size: int = 16, device: str = "cpu",
-                   log=print) -> str:
+                   log=print, quantization: str = "none") -> str:
     """The cached profile's path, measured first (``--quick``, no engine run) when there is none."""
-    path = cache_path(model, draft, dtype, device)
+    path = cache_path(model, draft, dtype, device, quantization)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        log(f"no planner profile for {model} ({dtype}, {device}) on this machine: measuring one into {path}")
+        log(f"no planner profile for {model} ({dtype}, {quantization}, {device}) on this machine: "
+            f"measuring one into {path}")
         main(["--model", str(model), "--draft", str(draft or "none"), "--dtype", dtype, "--device", device,
-              "--block-size", str(block_size), "--quick", "--no-engine", "--out", str(path)])
+              "--quantization", quantization, "--block-size", str(block_size), "--quick", "--no-engine",
+              "--out", str(path)])
     return str(path)
 
 
@@ -204,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default="default")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of target and draft, as the engine's flag")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ctx", type=int, default=256, help="context length of the measured decode rows")
@@ -220,18 +230,22 @@ def main(argv: list[str] | None = None) -> int:
         raise FileNotFoundError(f"--out {a.out}: no such directory")    # before a minute of measuring
     from nightjar.engine import Engine, plan_memory
     from nightjar.kernel.config import EngineConfig
-    from nightjar.models import load_draft, load_model
+    from nightjar.models.quant import load_quantized
 
-    target = load_model(a.model, a.dtype, a.device)
-    draft = load_draft(a.draft, target.config, a.dtype, a.device) if a.draft not in ("none", "") else None
-    cfg = EngineConfig(model=a.model, draft=a.draft, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks)
+    target = load_quantized(a.model, a.dtype, a.device, a.quantization)
+    draft = (load_quantized(a.draft, a.dtype, a.device, a.quantization, draft_for=target.config)
+             if a.draft not in ("none", "") else None)
+    cfg = EngineConfig(model=a.model, draft=a.draft, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks,
+                       quantization=a.quantization)
     mem = plan_memory(cfg, target, draft)
     overhead = 0.0
     if not a.no_engine:
         overhead = engine_overhead(lambda: Engine(a.model, a.draft, "off", loaded=(target, draft), dtype=a.dtype,
-                                                  block_size=a.block_size, num_blocks=a.num_blocks))
+                                                  block_size=a.block_size, num_blocks=a.num_blocks,
+                                                  quantization=a.quantization))
         print(f"engine step overhead: {overhead * 1e3:.2f} ms", file=sys.stderr)
-    prof = build_profile(target.model, draft.model if draft else None, name=f"measured:{a.model}:{a.dtype}",
+    prof = build_profile(target.model, draft.model if draft else None, name=f"measured:{a.model}:{a.dtype}"
+                         + ("" if a.quantization == "none" else f":{a.quantization}"),
                          block_size=a.block_size, ctx=a.ctx, quick=a.quick, num_blocks=mem.num_blocks,
                          draft_blocks=mem.draft_footprint // mem.block_bytes, overhead_s=overhead,
                          log=lambda s: print(s, file=sys.stderr))
