@@ -128,8 +128,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """HF's order of operations: normalise in fp32, cast back, then scale."""
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        """One fused op. It accumulates in fp32 and rounds once after scaling, where HF rounds the
+        normalised value to the input dtype first and then scales: the same in fp32, within one
+        rounding of it in bf16 (and measured closer to an fp32 reference)."""
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
