@@ -16,7 +16,9 @@ stream and at a concurrency of 16, greedy, printing output tok/s side by side.
       CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" \
           .venv/bin/pip install llama-cpp-python
 
-  Missing: the row says ``not installed`` and the script goes on.
+  Missing: the row says ``not installed`` and the script goes on. (A ``GGML_NATIVE=ON`` build died with SIGILL on
+  chat-length prompts on the project's VM; the flags above work. Installing with ``--target DIR`` and running with
+  ``PYTHONPATH=DIR`` keeps it out of the venv.)
 * **nightjar**: ``Engine(policy=P, ...)`` per policy; single stream = sequential ``generate``; concurrency =
   ``--concurrency`` requests in flight (continuous batching). Tokens = output token ids.
 
