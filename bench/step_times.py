@@ -112,8 +112,7 @@ def main(argv=None) -> None:
     models = build_variants(a.model, a.dtype, a.device, names)
     first = models[names[0]]
     bw = copy_bandwidth(a.device)
-    nbytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in first.parameters()}.values())
-    nbytes = max(nbytes, models[names[-1]].weight_bytes() - _tied_copy(models[names[-1]]))
+    nbytes = first.weight_bytes() - _tied_copy(first)          # what one step reads
     floor = nbytes / bw
     Bs, qs = [int(x) for x in a.batches.split(",")], [int(x) for x in a.queries.split(",")]
     print(f"# {a.model} {a.dtype} on {a.device}, context {a.context}: weights read per step {nbytes / 1e6:.1f} MB, "
