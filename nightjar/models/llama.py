@@ -367,11 +367,16 @@ class LlamaModel(nn.Module):
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     @torch.inference_mode()
-    def forward(self, lay: BatchLayout, cache) -> torch.Tensor:
-        """Run the batch; returns logits [N, vocab] (fp32) for ``lay.logits_index`` rows."""
+    def forward(self, lay: BatchLayout, cache, capture: tuple[int, ...] = ()):
+        """Run the batch; returns logits [N, vocab] (fp32) for ``lay.logits_index`` rows. With
+        ``capture`` (layer indices) also the residual stream after those layers for every token:
+        (logits, features [T, len(capture)*h]) — a draft head's input (models/eagle.py)."""
         x = self.embed_tokens(lay.input_ids)                      # [T, h]
         cos, sin = self.rope(lay.positions)
-        for layer in self.layers:
+        kept = []
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, lay, cache)
-        x = self.norm(x[lay.logits_index])                        # [N, h]
-        return self.lm_head(x).float()                            # [N, V]
+            if i in capture:
+                kept.append(x)
+        logits = self.lm_head(self.norm(x[lay.logits_index])).float()    # [N, V]
+        return (logits, torch.cat(kept, dim=-1)) if capture else logits
