@@ -1,0 +1,218 @@
+"""Fast batched answer generation for draft training: ``python -m nightjar.training.answers --out FILE``.
+
+A static-batch generator outside the serving engine: jobs sorted by prompt length, LEFT-padded into
+batches, one dense KV cache per layer ``[B, nkv, S_max, d]``, the whole batch prefilled at once and then
+decoded one token per step. Rows that finish (an EOS id, kept in the answer as the engine keeps it, or
+``max_new`` tokens) are dropped from the batch (cache included) once enough of them have finished.
+Writes the records distill.py's corpus uses (without the teacher top-k), resumably, chunk by chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from nightjar.actors.sampler import SamplingHints, transform_logits
+from nightjar.models import LlamaModel
+from nightjar.models.llama import apply_rope
+
+TEMPERATURE, TOP_P = 0.7, 0.95
+
+
+def row_generator(prompt_ids: list[int], variant: str) -> torch.Generator | None:
+    """Greedy -> None; ``s<seed>`` -> a generator seeded from the seed and the prompt (so two prompts
+    under one seed draw different noise, and a job draws the same tokens in any batch)."""
+    if variant == "greedy":
+        return None
+    key = zlib.crc32(json.dumps(prompt_ids).encode())
+    return torch.Generator().manual_seed(int(variant[1:]) * 1_000_003 + key)
+
+
+class _Batch:
+    """One static batch: dense per-layer KV, key validity, next positions, per-row bookkeeping."""
+
+    def __init__(self, model: LlamaModel, prompts: list[list[int]], max_new: int):
+        c = model.cfg
+        B, L = len(prompts), max(len(p) for p in prompts)
+        self.L, self.S = L, L + max_new
+        ids = torch.zeros((B, L), dtype=torch.int64)
+        valid = torch.zeros((B, self.S), dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            ids[b, L - len(p):] = torch.tensor(p)
+            valid[b, L - len(p):] = True                         # prompt + every future decode slot
+        self.ids, self.valid = ids, valid                         # [B, L], [B, S]
+        self.pos = (valid[:, :L].long().cumsum(-1) - 1).clamp(min=0)   # [B, L]: 0 at the first real token
+        shape = (B, c.num_kv_heads, self.S, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=model.dtype) for _ in model.layers]   # [B, nkv, S, d] each
+        self.v = [torch.zeros(shape, dtype=model.dtype) for _ in model.layers]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Drop the other rows (their cache too)."""
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+        self.valid, self.pos = self.valid[rows], self.pos[rows]
+
+
+def _attend(q, k, v, allowed) -> torch.Tensor:
+    """Grouped-query attention as two matmuls (faster than SDPA for short queries on CPU).
+    q [B, nh, Q, d], k/v [B, nkv, K, d], allowed [B, 1, Q, K] -> [B, nh, Q, d]."""
+    B, nh, Q, d = q.shape
+    nkv, K = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qg = q.reshape(B, nkv, g * Q, d)                                              # [B, nkv, g*Q, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() / math.sqrt(d)        # [B, nkv, g*Q, K]
+    blocked = ~allowed.expand(B, 1, Q, K).repeat(1, 1, g, 1)                      # [B, 1, g*Q, K]
+    probs = scores.masked_fill_(blocked, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, nh, Q, d)                               # [B, nh, Q, d]
+
+
+def _forward(model: LlamaModel, st: _Batch, ids, pos, start: int, allowed) -> torch.Tensor:
+    """Run tokens ids [B, Q] at positions pos [B, Q], writing cache slots start..start+Q; attention over
+    slots [0, start+Q) where ``allowed`` [B, 1, Q, start+Q]. Returns the last token's logits [B, V] (fp32)."""
+    c = model.cfg
+    B, Q = ids.shape
+    end = start + Q
+    x = model.embed_tokens(ids)                                                   # [B, Q, h]
+    cos, sin = model.rope(pos.reshape(-1))                                        # [B*Q, 1, d]
+    cos, sin = cos.view(B, Q, 1, -1), sin.view(B, Q, 1, -1)                       # [B, Q, 1, d]
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        q, k, v = a.qkv(layer.input_layernorm(x))
+        q = apply_rope(q.reshape(B, Q, c.num_heads, c.head_dim), cos, sin)       # [B, Q, nh, d]
+        k = apply_rope(k.reshape(B, Q, c.num_kv_heads, c.head_dim), cos, sin)    # [B, Q, nkv, d]
+        st.k[i][:, :, start:end] = k.transpose(1, 2)
+        st.v[i][:, :, start:end] = v.reshape(B, Q, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        o = _attend(q.transpose(1, 2), st.k[i][:, :, :end], st.v[i][:, :, :end], allowed)   # [B, nh, Q, d]
+        x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, c.q_size))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.norm(x[:, -1])).float()                            # [B, V]
+
+
+def _pick(logits: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+    """Greedy rows take the argmax; sampled rows draw from T 0.7 / top-p 0.95 with their own generator.
+    logits [B, V] -> [B] int64."""
+    out = logits.argmax(-1)                                                       # [B]
+    rows = [b for b, g in enumerate(gens) if g is not None]
+    if rows:
+        n = len(rows)
+        temp, top_k, top_p = torch.full((n,), TEMPERATURE), torch.zeros(n, dtype=torch.int64), torch.full((n,), TOP_P)
+        probs = transform_logits(logits[rows], temp, top_k, top_p, SamplingHints(truncate=True, any_greedy=False))
+        for j, b in enumerate(rows):                                              # probs [n, V]
+            out[b] = torch.multinomial(probs[j], 1, generator=gens[b])[0]
+    return out
+
+
+@torch.inference_mode()
+def _generate_batch(model: LlamaModel, jobs, max_new: int, compact: float) -> list[list[int]]:
+    """Answers for one batch of (prompt_ids, sampling) jobs, in order."""
+    eos = torch.tensor(sorted(model.cfg.eos_token_ids) or [-1])
+    st = _Batch(model, [p for p, _ in jobs], max_new)
+    gens = [row_generator(p, s["variant"]) for p, s in jobs]
+    L = st.L
+    causal = torch.ones((L, L), dtype=torch.bool).tril()                          # [L, L]
+    allowed = (causal & st.valid[:, None, :L]) | torch.eye(L, dtype=torch.bool)   # [B, L, L]: pads see themselves
+    logits = _forward(model, st, st.ids, st.pos, 0, allowed[:, None])             # [B, V]
+    nxt = st.pos[:, -1] + 1                                                       # [B] next position
+    answers: list[list[int]] = [[] for _ in jobs]
+    alive = list(range(len(jobs)))                                                # job index of each batch row
+    finished = torch.zeros(len(jobs), dtype=torch.bool)                           # [B] rows already complete
+    for t in range(max_new):
+        tok = _pick(logits, [gens[j] for j in alive])                             # [B]
+        for r, j in enumerate(alive):
+            answers[j].append(int(tok[r]))
+        finished |= torch.isin(tok, eos)
+        if t + 1 == max_new or bool(finished.all()):
+            break
+        if finished.any() and int(finished.sum()) >= compact * len(alive):
+            rows = (~finished).nonzero().squeeze(1)                               # [B']
+            st.keep(rows)
+            alive = [alive[r] for r in rows.tolist()]
+            tok, nxt, finished = tok[rows], nxt[rows], finished[rows]
+        allowed = st.valid[:, None, None, : L + t + 1]                            # [B, 1, 1, L+t+1]
+        logits = _forward(model, st, tok[:, None], nxt[:, None], L + t, allowed)  # [B, V]
+        nxt = nxt + 1
+    return [a[: _stop(a, eos)] for a in answers]
+
+
+def _stop(ans: list[int], eos: torch.Tensor) -> int:
+    """Length of an answer up to and including its first EOS (rows that finished early kept running)."""
+    ids = set(eos.tolist())
+    return next((i + 1 for i, t in enumerate(ans) if t in ids), len(ans))
+
+
+def generate_answers(model: LlamaModel, jobs, batch: int = 64, max_new: int = 128, log=print,
+                     compact: float = 0.25) -> list[dict]:
+    """Answers to ``jobs`` = [(prompt_ids, {"variant": "greedy" | "s<seed>"})], in input order, as
+    {"variant", "prompt_ids", "answer_ids"}. Jobs run in batches of ``batch`` sorted by prompt length; a
+    batch drops its finished rows when at least ``compact`` of the live rows are done."""
+    order = sorted(range(len(jobs)), key=lambda j: len(jobs[j][0]))
+    out: list[dict | None] = [None] * len(jobs)
+    for i in range(0, len(order), batch):
+        t0 = time.time()
+        idx = order[i: i + batch]
+        answers = _generate_batch(model, [jobs[j] for j in idx], max_new, compact)
+        for j, a in zip(idx, answers):
+            out[j] = {"variant": jobs[j][1]["variant"], "prompt_ids": list(jobs[j][0]), "answer_ids": a}
+        n = sum(len(a) for a in answers)
+        log(f"answers: batch {i // batch + 1}/{-(-len(order) // batch)}: {len(idx)} jobs, {n} tokens "
+            f"in {time.time() - t0:.1f}s ({n / max(1e-9, time.time() - t0):.0f} tok/s)")
+    return out
+
+
+def build_answers(model: LlamaModel, jobs_with_ids, path: Path, chunk: int = 512, batch: int = 64,
+                  max_new: int = 128, log=print) -> list[dict]:
+    """Append {"id", "variant", "prompt_ids", "answer_ids"} records for jobs = [(id, prompt_ids, sampling)]
+    to ``path`` chunk by chunk; (id, variant) pairs already in the file are skipped, so a stopped run
+    resumes. Pending jobs go in prompt-length order so each chunk's batches pad little."""
+    have = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    done = {(r["id"], r["variant"]) for r in have}
+    todo = sorted((j for j in jobs_with_ids if (j[0], j[2]["variant"]) not in done), key=lambda j: len(j[1]))
+    log(f"answers: {len(have)} on disk, {len(todo)} to generate")
+    t_all, n_all = time.time(), 0
+    for i in range(0, len(todo), chunk):
+        part = todo[i: i + chunk]
+        t0 = time.time()
+        recs = generate_answers(model, [(p, s) for _, p, s in part], batch, max_new, log=lambda s: None)
+        recs = [{"id": jid, **r} for (jid, _, _), r in zip(part, recs)]
+        with path.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in recs))
+        have.extend(recs)
+        n = sum(len(r["answer_ids"]) for r in recs)
+        n_all += n
+        log(f"answers: {len(have)}/{len(done) + len(todo)} ({n} tokens in {time.time() - t0:.0f}s, "
+            f"{n / max(1e-9, time.time() - t0):.0f} tok/s; overall {n_all / (time.time() - t_all):.0f} tok/s)")
+    return have
+
+
+def main(argv=None) -> None:
+    from nightjar.models import load_model
+    from nightjar.training.distill import corpus_jobs
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSONL file (appended to; a rerun resumes)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--templated", type=int, default=4000, help="templated prompts answered greedily")
+    ap.add_argument("--samples", type=int, default=2, help="sampled answers per hand-written prompt")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N jobs")
+    a = ap.parse_args(argv)
+    log = lambda s: print(f"[answers {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731
+    target = load_model(a.model, dtype=torch.bfloat16, pack=False)
+    jobs = corpus_jobs(a.templated, a.samples, a.seed)[: a.limit]
+    enc = [(p["id"], target.tokenizer.encode_chat([{"role": "user", "content": p["prompt"]}]), {"variant": v})
+           for p, v in jobs]
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log)
+
+
+if __name__ == "__main__":
+    main()
