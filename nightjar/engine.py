@@ -15,6 +15,7 @@ import torch
 from nightjar.actors.admission import context_limit
 from nightjar.actors.control import ControlSpec
 from nightjar.actors.draft import DraftBuffers, DraftExecutor
+from nightjar.actors.draft_head import HeadDraftExecutor
 from nightjar.actors.verifier import Verifier
 from nightjar.actors.weights import DraftSlot
 from nightjar.config_check import check_config
@@ -32,7 +33,7 @@ from nightjar.kernel.messages import (
     TokensCommitted,
 )
 from nightjar.kvpool.blocks import BlockAllocator
-from nightjar.kvpool.cache import KVCache
+from nightjar.kvpool.cache import HeadCache, KVCache
 from nightjar.models import LoadedModel
 from nightjar.models.cuda_graph import attach_graphs, detach_graphs
 from nightjar.models.quant import load_quantized
@@ -132,8 +133,7 @@ def plan_memory(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | Non
         n = min(cfg.max_num_seqs * cfg.max_model_len // cfg.block_size, 2048)
     d_blocks, d_block_bytes = 0, 0
     if draft:
-        dc = draft.config
-        d_block_bytes = KVCache.block_bytes_for(dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.block_size, dtype)
+        d_block_bytes = draft_block_bytes(draft, cfg.block_size, dtype)
     if n is None:
         free = budget - target.model.weight_bytes() - dbytes
         per_block = block + d_block_bytes          # the draft KV mirrors the pool's token capacity
@@ -144,6 +144,14 @@ def plan_memory(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | Non
     if draft:
         d_blocks = -(-(cfg.draft_kv_tokens or n * cfg.block_size) // cfg.block_size)
     return MemoryPlan(budget, target.model.weight_bytes(), dbytes, d_blocks * d_block_bytes, block, int(n), d_blocks)
+
+
+def draft_block_bytes(draft: LoadedModel, block_size: int, dtype) -> int:
+    """Bytes of one draft cache block: an independent draft's KV, or a head's KV plus its stored features."""
+    dc = draft.config
+    if getattr(draft.model, "is_head", False):
+        return HeadCache.head_block_bytes(dc.num_kv_heads, dc.head_dim, dc.hidden_size, block_size, dtype)
+    return KVCache.block_bytes_for(dc.num_layers, dc.num_kv_heads, dc.head_dim, block_size, dtype)
 
 
 def read_planner_profile(path: str | None) -> dict | None:
@@ -217,17 +225,23 @@ class Engine:
         self.weights.slot = slot
         self._attach_graphs(slot)
         buffers = DraftBuffers()
+        head = slot is not None and getattr(slot.model, "is_head", False)
+        capture = slot.model.hc.feature_layers if head else ()
         actors = [built["admission"], self.batcher, self.planner, kv, self.weights,
-                  Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed, c.synthetic_acceptance)]
+                  Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed, c.synthetic_acceptance,
+                           capture=capture)]
         if slot is not None:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
-            actors.append(DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
+            actors.append(HeadDraftExecutor(slot, self.draft_allocator, buffers, c.seed,
+                                            embed=self.target.model.embed_tokens) if head else
+                          DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
         return actors
 
     def _attach_graphs(self, slot: DraftSlot | None) -> None:
         """CUDA graphs for the target's and the draft's short steps (models/cuda_graph.py) unless
         enforce_eager; attach_graphs leaves a model eager off CUDA or off its Triton path."""
-        models = [(self.target.model, self.cache)] + ([(slot.model, slot.cache)] if slot else [])
+        head = slot is not None and getattr(slot.model, "is_head", False)
+        models = [(self.target.model, self.cache)] + ([(slot.model, slot.cache)] if slot and not head else [])
         c = self.config
         for model, cache in models:
             detach_graphs(model)
@@ -256,6 +270,10 @@ class Engine:
         if self.draft is None:
             return None
         dc, c = self.draft.config, self.config
+        if getattr(self.draft.model, "is_head", False):
+            cache = HeadCache(dc.num_kv_heads, dc.head_dim, dc.hidden_size, c.block_size,
+                              self.memory.draft_num_blocks, self.draft.model.dtype, self.draft.model.device)
+            return DraftSlot(self.draft.model, cache, self.draft.model.device)
         cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, c.block_size, self.memory.draft_num_blocks,
                         self.draft.model.dtype, self.draft.model.device)
         return DraftSlot(self.draft.model, cache, self.draft.model.device)

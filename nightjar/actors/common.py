@@ -82,14 +82,16 @@ class RequestMirrors:
 
 
 def run_chunks(model, cache, block_size: int, chunks: list[list[int]], starts: list[int],
-               tables: list[tuple[int, ...]], logits_rows: list[int]) -> torch.Tensor:
+               tables: list[tuple[int, ...]], logits_rows: list[int], capture: tuple[int, ...] = ()):
     """One batched forward of varlen chunks; logits [sum(logits_rows), V] fp32. A CUDA graph replays it
-    when the model has a runner for this cache and shape (models/cuda_graph.py), else it runs eagerly."""
-    logits = graph_forward(model, cache, chunks, starts, tables, logits_rows)
-    if logits is not None:
-        return logits
+    when the model has a runner for this cache and shape (models/cuda_graph.py), else it runs eagerly.
+    With ``capture`` (eager only) returns (logits, features [T, nF*H]) as ``LlamaModel.forward``."""
+    if not capture:
+        logits = graph_forward(model, cache, chunks, starts, tables, logits_rows)
+        if logits is not None:
+            return logits
     lay = build_layout(chunks, starts, tables, block_size, logits_rows, device=model.device)
-    return model(lay, cache)
+    return model(lay, cache, capture) if capture else model(lay, cache)
 
 
 def seeded_scores_of(mirror: ReqMirror, probs: torch.Tensor, first: int) -> torch.Tensor:

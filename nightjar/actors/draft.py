@@ -29,12 +29,20 @@ class DraftBuffers:
 
     def __init__(self) -> None:
         self._bufs: dict[int, dict[int, torch.Tensor]] = {}
+        self._feats: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
 
     def put(self, handle: int, probs: dict[int, torch.Tensor]) -> None:
         self._bufs[handle] = probs
 
     def take(self, handle: int) -> dict[int, torch.Tensor]:
         return self._bufs.pop(handle, {})
+
+    def put_features(self, step: int, feats: torch.Tensor, row_lens: tuple[int, ...]) -> None:
+        """The target's captured features [T, nF*H] of a step (rows of ``row_lens`` tokens, in order)."""
+        self._feats = {step: (feats, row_lens)}          # only the latest step's are ever read
+
+    def take_features(self, step: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        return self._feats.pop(step, None)
 
 
 class DraftExecutor(Actor):

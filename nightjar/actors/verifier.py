@@ -29,8 +29,9 @@ class Verifier(Actor):
     blocking = True
 
     def __init__(self, model, cache, block_size: int, buffers: DraftBuffers, seed: int,
-                 synthetic_acceptance: float | None = None):
+                 synthetic_acceptance: float | None = None, capture: tuple[int, ...] = ()):
         super().__init__()
+        self.capture = capture                      # target layers a draft head reads (models/eagle.py)
         self.synthetic = synthetic_acceptance       # like vLLM's synthetic rejection sampler: NOT lossless
         self.synth_gen = torch.Generator(device=model.device).manual_seed(seed) if synthetic_acceptance else None
         self.model, self.cache, self.block_size, self.buffers = model, cache, block_size, buffers
@@ -71,7 +72,10 @@ class Verifier(Actor):
         t0 = time.perf_counter()
         chunks, nlog, drafts = self._rows(drafted)
         logits = run_chunks(self.model, self.cache, self.block_size, chunks, list(self.sched.starts),
-                            list(self.reserved.block_tables), nlog)                       # [N, V]
+                            list(self.reserved.block_tables), nlog, self.capture)         # [N, V]
+        if self.capture:
+            logits, feats = logits                                                        # feats [T, nF*H]
+            self.buffers.put_features(self.sched.step, feats, tuple(map(len, chunks)))
         probs_q = self.buffers.take(drafted.handle) if drafted else {}
         toks, acc = self._decide_tokens(logits, nlog, drafts, probs_q, drafted.gamma if drafted else 0)
         dt = time.perf_counter() - t0

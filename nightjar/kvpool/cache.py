@@ -150,3 +150,58 @@ class KVCache:
     def restore(self, host: list[torch.Tensor]) -> None:
         for seg, data in zip(self.segments, host):
             seg.data = data.to(self.device, copy=True)
+
+
+class HeadCache(KVCache):
+    """A draft head's cache: its one layer's paged KV plus, in the same blocks, the fused target
+    features [H] of each committed position (the head's input while it catches up). Offload copies,
+    releases and restores both; the draft executor owns which positions hold what."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, feat_dim: int, block_size: int, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.feat_dim = feat_dim
+        self.feats: list[torch.Tensor] = []            # per segment [n, bs, H]
+        super().__init__(1, num_kv_heads, head_dim, block_size, num_blocks, dtype, device)
+
+    @staticmethod
+    def head_block_bytes(num_kv_heads: int, head_dim: int, feat_dim: int, block_size: int,
+                         dtype: torch.dtype) -> int:
+        """Bytes of one block: one layer's K and V plus a feature row per slot."""
+        kv = KVCache.block_bytes_for(1, num_kv_heads, head_dim, block_size, dtype)
+        return kv + block_size * feat_dim * dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.head_block_bytes(self.num_kv_heads, self.head_dim, self.feat_dim, self.block_size, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(f.numel() * f.element_size() for f in self.feats)
+
+    def add_segment(self, n: int) -> Segment:
+        if self.segments:
+            raise RuntimeError("a draft head's cache has one segment")
+        self.feats.append(torch.zeros((n, self.block_size, self.feat_dim), dtype=self.dtype, device=self.device))
+        return super().add_segment(n)
+
+    def write_features(self, g: torch.Tensor, slots: torch.Tensor) -> None:
+        """g [T, H] into slots [T]."""
+        self.feats[0].view(-1, self.feat_dim).index_copy_(0, slots, g.to(self.dtype))
+
+    def read_features(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [T] -> [T, H]."""
+        return self.feats[0].view(-1, self.feat_dim).index_select(0, slots)
+
+    def to_host(self) -> list[torch.Tensor]:
+        return super().to_host() + [f.to("cpu", copy=True) for f in self.feats]
+
+    def release(self) -> int:
+        n = self.nbytes
+        super().release()
+        self.feats = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in self.feats]
+        return n
+
+    def restore(self, host: list[torch.Tensor]) -> None:
+        k = len(self.segments)
+        super().restore(host[:k])
+        self.feats = [f.to(self.device, copy=True) for f in host[k:]]

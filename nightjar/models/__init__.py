@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from nightjar.models.config import ModelConfig
+from nightjar.models.eagle import is_head_dir, load_head
 from nightjar.models.llama import BatchLayout, LlamaModel, build_layout
 from nightjar.models.tokenizer import ChatTokenizer
 
@@ -97,6 +98,10 @@ def load_draft(spec: str | Path | None, target: ModelConfig, dtype: str | torch.
             return random_draft(target, dtype, device, seed)
     if spec == "random":
         return random_draft(target, dtype, device, seed)
+    if is_head_dir(Path(spec)):
+        head = load_head(Path(spec), target, parse_dtype(dtype), device).fuse_projections()
+        head.pack_cpu_weights(mirror=True)
+        return LoadedModel(head, None, str(Path(spec).resolve()))
     loaded = load_model(spec, dtype, device, pack=False)
     if loaded.config.vocab_size != target.vocab_size:
         raise ValueError(f"draft vocabulary {loaded.config.vocab_size} != target's {target.vocab_size}")

@@ -209,6 +209,14 @@ def cast_floats(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def is_draft_head(spec) -> bool:
+    from pathlib import Path
+
+    from nightjar.models.eagle import is_head_dir
+
+    return spec not in (None, "none", "", "default", "random") and is_head_dir(Path(str(spec)))
+
+
 def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft_for=None, seed: int = 0):
     """Load a target (``draft_for=None``) or a draft for ``draft_for`` (a ModelConfig) with weight-only
     ``mode`` quantization of its layers: loaded in fp32 (so int4 recovers a Q4_0/Q4_1 file's own codes),
@@ -216,6 +224,8 @@ def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft
     draft: its plain weights stay the parameters the weight mover moves)."""
     from nightjar.models import load_draft, load_model, parse_dtype
 
+    if draft_for is not None and is_draft_head(spec):
+        return load_draft(spec, draft_for, dtype, device, seed)      # a draft head stays unquantized
     if mode == "none":
         if draft_for is not None:
             return load_draft(spec, draft_for, dtype, device, seed)

@@ -1,0 +1,216 @@
+"""The draft executor for an EAGLE-style draft head (models/eagle.py) instead of an independent draft.
+
+Head entry i reads the target's features of position i and the token x_{i+1}; its output predicts
+x_{i+2}. Per request the executor keeps the head's context as a run of absolute positions
+[base, fend): the fused target features of every committed position since ``base`` sit in the head
+cache (HeadCache, same blocks as its KV), written after each verified step (``StepVerified``: the fed
+token and the accepted drafts of a decode row, a prefill row's whole chunk). Head-local position
+j = absolute base + j (RoPE is relative, so a context that starts late is the same computation minus
+the missing entries).
+
+Drafting a row with n committed tokens (features known for positions < n-1, so fend == n-1):
+pass 1 runs the head over the entries not yet in its KV (the catch-up: usually the 1 + accepted
+positions of the last step, more after γ=0 steps) and drafts d1 from the last one; pass k >= 2 feeds
+the previous pass's output state as the feature with token d_{k-1}. Afterwards the head's KV is cut
+back to the catch-up frontier: entries built on drafted features are never kept.
+
+A gap in a request's features (the head was offloaded, or the request was preempted and re-prefilled)
+restarts its head context at the first position that has features; a request without features does
+not draft until it has some. While the head is not resident nothing is written.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from nightjar.actors.common import sampling_tensors
+from nightjar.actors.draft import DraftExecutor
+from nightjar.actors.gamma_allocator import row_gammas
+from nightjar.kernel.messages import (
+    BlocksReserved,
+    DraftResidency,
+    RequestAdmitted,
+    RequestsPreempted,
+    StepDrafted,
+    StepScheduled,
+    StepVerified,
+    TokensCommitted,
+)
+from nightjar.kvpool.blocks import KVPoolError
+from nightjar.models.llama import build_layout
+
+
+@dataclass
+class HeadContext:
+    base: int        # absolute position of head-local 0
+    fend: int        # features stored for absolute positions [base, fend)
+
+
+class HeadDraftExecutor(DraftExecutor):
+    name: ClassVar[str] = "draft"
+    subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved,
+                  StepVerified, DraftResidency)
+
+    def __init__(self, slot, allocator, buffers, seed: int, embed: torch.nn.Module):
+        super().__init__(slot, allocator, buffers, seed)
+        self.embed = embed                # the target's token embedding (shared, never moved)
+        self.ctx: dict[int, HeadContext] = {}
+        self.resident = True
+
+    def handle(self, msg, now):
+        match msg:
+            case DraftResidency():
+                self.resident = msg.resident
+                return None
+            case StepVerified() if self.sched is not None and msg.step == self.sched.step:
+                self._store(msg)
+                return None
+        return super().handle(msg, now)
+
+    def _forget(self, req_ids) -> None:
+        super()._forget(req_ids)
+        for rid in req_ids:
+            self.ctx.pop(rid, None)
+
+    # ---- features of committed positions ------------------------------------------------------
+    def _store(self, v: StepVerified) -> None:
+        """Fuse and keep the target features of the step's committed positions (head resident only)."""
+        got = self.buffers.take_features(v.step)
+        if got is None or not self.resident:
+            return
+        feats, lens = got
+        s, rows, idx, off = self.sched, [], [], 0
+        for row, (rid, n) in enumerate(zip(s.req_ids, lens)):
+            keep = 1 + v.accepted[row] if row < s.num_decode else n
+            if rid in self.mirrors.reqs and self._extend(rid, s.starts[row], keep):
+                rows.append((rid, s.starts[row], keep))
+                idx.extend(range(off, off + keep))
+            off += n
+        if not rows:
+            return
+        head = self.slot.model
+        g = head.fuse(feats[torch.tensor(idx, device=feats.device)])                  # [K, H]
+        self.slot.cache.write_features(g, self._slots(rows))
+
+    def _extend(self, rid: int, p0: int, k: int) -> bool:
+        """Make room for features of absolute positions [p0, p0+k); restart the context on a gap."""
+        c = self.ctx.get(rid)
+        if c is None or c.fend != p0:
+            if self.alloc.has_seq(rid):
+                self.alloc.free(rid)
+            c = self.ctx[rid] = HeadContext(p0, p0)
+        try:
+            self.alloc.reserve(rid, p0 + k - c.base)
+        except KVPoolError:                 # the head's pool is full: this request stops drafting
+            self._forget([rid])
+            return False
+        c.fend = p0 + k
+        return True
+
+    def _slots(self, rows) -> torch.Tensor:
+        """Cache slots of absolute positions [p0, p0+k) of each (rid, p0, k) -> [sum k] int64."""
+        bs, out = self.alloc.block_size, []
+        for rid, p0, k in rows:
+            table, base = self.alloc.block_table(rid), self.ctx[rid].base
+            out.extend(table[j // bs] * bs + j % bs for j in range(p0 - base, p0 - base + k))
+        return torch.tensor(out, dtype=torch.int64, device=self.slot.device)
+
+    # ---- drafting -----------------------------------------------------------------------------
+    def _room(self, rid: int, g: int) -> bool:
+        """The row has features up to its last committed token and head blocks for γ_i drafts."""
+        c = self.ctx.get(rid)
+        if c is None or c.fend != len(self.mirrors[rid].tokens) - 1 or c.fend <= c.base:
+            return False
+        try:
+            self.alloc.reserve(rid, c.fend - c.base + g - 1)
+        except KVPoolError:
+            return False
+        return True
+
+    def _draft(self, gamma: int, per_row: tuple[int, ...] = ()) -> StepDrafted:
+        s = self.sched
+        gams = list(row_gammas(gamma, per_row, s.speculate, s.num_decode))
+        for i in range(s.num_decode):
+            if gams[i] and not self._room(s.req_ids[i], gams[i]):
+                gams[i] = 0                    # no features yet (or no room): this row does not draft
+        rows = self._rows(tuple(gams))
+        t0 = time.perf_counter()
+        tokens, probs, catch = self._propose_head(rows, gamma) if rows else ([], {}, (0, 0.0))
+        t1 = time.perf_counter()
+        flat = [-1] * (s.num_decode * gamma)
+        for (row, _, _, _), toks in zip(rows, tokens):
+            flat[row * gamma: row * gamma + len(toks)] = toks
+        self.buffers.put(s.step, probs)
+        uniform = all(g == gamma or not sp for g, sp in zip(gams, s.speculate)) and not per_row
+        return StepDrafted(step=s.step, gamma=gamma, draft_tokens=tuple(flat), handle=s.step,
+                           draft_time_s=t1 - t0 - catch[1], catchup_time_s=catch[1], catchup_tokens=catch[0],
+                           gammas=() if uniform else tuple(gams))
+
+    def _propose_head(self, rows, gamma: int):
+        """γ_i head passes per row; pass 1 also catches up. Returns (tokens per row, q probs of random
+        sampling rows, (catch-up entries, their estimated share of pass 1's time))."""
+        rids = [rid for _, rid, _, _ in rows]
+        gam = [g for _, _, _, g in rows]
+        specs = [self.mirrors[r].sampling for r in rids]
+        temp, top_k, top_p = sampling_tensors(specs, self.slot.device)
+        greedy = [sp.temperature <= 0 for sp in specs]
+        front = [self.ctx[r].fend - self.ctx[r].base for r in rids]          # head-local catch-up frontier
+        starts = [self.alloc.num_committed(r) for r in rids]
+        out, qs = [[] for _ in rids], [[] for _ in rids]
+        act, feat, t_first, n_first, catch = list(range(len(rids))), None, 0.0, 0, 0
+        for i in range(max(gam)):
+            t = time.perf_counter()
+            act2 = [j for j in act if gam[j] > i]
+            sel = torch.tensor([act.index(j) for j in act2]) if feat is not None and len(act2) < len(act) else None
+            act = act2
+            if i == 0:
+                chunks = [self._catch_up_tokens(rids[j], starts[j]) for j in act]
+                n_first = sum(len(c) for c in chunks)
+                catch = sum(max(0, len(c) - 1 - gamma) for c in chunks)   # beyond what one step leaves
+                g = self.slot.cache.read_features(self._local_slots([(rids[j], starts[j], len(c))
+                                                                    for j, c in zip(act, chunks)]))
+            else:
+                chunks = [[out[j][-1]] for j in act]
+                g = feat if sel is None else feat[sel]
+            feat, logits = self._head_pass(rids, act, chunks, starts, g)
+            ix = torch.tensor(act) if len(act) < len(rids) else None
+            nxt = self._pick(logits, [greedy[j] for j in act], *((temp[ix], top_k[ix], top_p[ix]) if ix is not None
+                             else (temp, top_k, top_p)), [rids[j] for j in act], [qs[j] for j in act], i)
+            for j, c, tok in zip(act, chunks, nxt):
+                out[j].append(tok)
+                starts[j] += len(c)
+            if i == 0:
+                t_first = time.perf_counter() - t
+        for r, f in zip(rids, front):
+            self.alloc.set_committed(r, f)       # drop the entries built on drafted features
+        share = t_first * catch / n_first if n_first else 0.0
+        probs = {r: torch.stack(q) for r, q in zip(rids, qs) if q}
+        return out, probs, (catch, share)
+
+    def _catch_up_tokens(self, rid: int, start: int) -> list[int]:
+        """Tokens x_{i+1} of the head entries i from head-local ``start`` to the frontier."""
+        c, toks = self.ctx[rid], self.mirrors[rid].tokens
+        return toks[c.base + start + 1: c.fend + 1]
+
+    def _local_slots(self, rows) -> torch.Tensor:
+        """Slots of head-local positions [j0, j0+k) for (rid, j0, k) rows -> [sum k]."""
+        bs, out = self.alloc.block_size, []
+        for rid, j0, k in rows:
+            table = self.alloc.block_table(rid)
+            out.extend(table[j // bs] * bs + j % bs for j in range(j0, j0 + k))
+        return torch.tensor(out, dtype=torch.int64, device=self.slot.device)
+
+    def _head_pass(self, rids, act, chunks, starts, g):
+        """One head call over the active rows' entries -> (output state of each row's last entry [R, H],
+        full-vocabulary logits [R, V] with -inf outside the draft vocabulary)."""
+        head = self.slot.model
+        lay = build_layout(chunks, [starts[j] for j in act], [self.alloc.block_table(rids[j]) for j in act],
+                           self.alloc.block_size, [1] * len(act), device=head.device)
+        emb = self.embed(lay.input_ids)                                              # [T, H]
+        a, small = head(lay, self.slot.cache, emb, g.to(head.dtype))                  # [T, H], [R, Vd]
+        full = small.new_full((small.shape[0], head.hc.target_vocab), float("-inf"))  # [R, V]
+        full[:, head.d2t] = small
+        return a[lay.logits_index], full

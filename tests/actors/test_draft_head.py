@@ -1,0 +1,114 @@
+"""A draft head (models/eagle.py) as the engine's drafter: greedy output identical to `off`, the head's
+entries line up with the target's features and tokens, its KV is cut back after each step."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from nightjar.models import LoadedModel
+from nightjar.models.eagle import DraftHead, HeadConfig
+from nightjar.sampling import SamplingParams
+from tests.test_engine import generate_with, prompts_of_mixed_length
+
+
+def random_head(target_cfg, seed: int = 3, vocab: int = 4096) -> DraftHead:
+    g = torch.Generator().manual_seed(seed)
+    head = DraftHead(HeadConfig.for_target(target_cfg, vocab))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 if p.dim() > 1 else torch.ones(p.shape))
+        head.d2t.copy_(torch.randperm(target_cfg.vocab_size, generator=g)[:vocab].sort().values)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def head_pair(tiny_pair):
+    target, _ = tiny_pair
+    return target, LoadedModel(random_head(target.config), None, "tiny-head")
+
+
+@pytest.mark.parametrize("policy", ["fixed:1", "fixed:3", "nightjar"])
+def test_head_drafting_is_greedy_exact(make_engine, head_pair, smol_tokenizer, policy):
+    prompts = prompts_of_mixed_length(smol_tokenizer, 10)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref, _ = generate_with(make_engine, "off", prompts, params, pair=head_pair, max_num_seqs=4)
+    got, stats = generate_with(make_engine, policy, prompts, params, pair=head_pair, max_num_seqs=4, gamma_max=4)
+    assert got == ref
+    assert stats.draft_tokens > 0
+
+
+def repeat_pair(smol_tokenizer):
+    """A target whose layers add nothing (zero o_proj and MLP): every layer's state at i is embed(x_i)
+    and it predicts x_{i+1} = x_i. The oracle head reads the first captured layer's state as its
+    fused feature (fc = [I 0]), adds nothing, and scores with the target's tied head: it drafts x_i
+    for x_{i+2}, right whenever x_{i+1} = x_i — from the second answer token on, if the head is fed
+    the features of the right position. A one-position offset would draft x_{i-1} or x_{i+1}."""
+    from tests.conftest import random_model, tiny_config
+
+    cfg = tiny_config(eos=smol_tokenizer.eos_token_ids)
+    target = random_model(cfg, seed=5)
+    with torch.no_grad():
+        for layer in target.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    head = DraftHead(HeadConfig.for_target(cfg, cfg.vocab_size))
+    H = cfg.hidden_size
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.fc.weight[:, :H] = torch.eye(H)
+        for norm in (head.embed_norm, head.feat_norm, head.post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        head.norm.weight.copy_(target.norm.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight)
+    return LoadedModel(target, smol_tokenizer, "repeat"), LoadedModel(head.eval(), None, "oracle-head")
+
+
+def test_an_oracle_head_fed_the_right_positions_is_always_accepted(make_engine, smol_tokenizer):
+    pair = repeat_pair(smol_tokenizer)
+    prompts = prompts_of_mixed_length(smol_tokenizer, 6)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref, _ = generate_with(make_engine, "off", prompts, params, pair=pair)
+    assert all(len(set(r[1:])) == 1 for r in ref)                          # the target repeats itself
+    got, stats = generate_with(make_engine, "fixed:3", prompts, params, pair=pair, max_num_seqs=3)
+    assert got == ref
+    firsts = [p[-1] != r[0] for p, r in zip(prompts, ref)]                 # x_{P-1} != x_P: d1 misses once
+    assert stats.draft_tokens - stats.accepted_tokens <= 3 * sum(firsts)
+    assert stats.accepted_tokens >= 0.8 * stats.draft_tokens
+
+
+def test_offload_reload_cycles_with_a_head_keep_greedy_tokens_and_restart_its_context(make_engine, smol_tokenizer):
+    """Forced offload -> reload with requests in flight: the head's KV and features leave the device
+    (counted in the budget), tokens stay `off`'s, and requests whose features have a gap start a fresh
+    head context and draft again (the oracle head is then accepted again)."""
+    from nightjar.kernel.messages import OffloadDraft, ReloadDraft
+    from tests.test_elastic import wait_for, wait_state, wait_steps
+    from tests.test_engine import assert_pool_clean, pool_settled, run_all
+
+    pair = repeat_pair(smol_tokenizer)
+    prompts = prompts_of_mixed_length(smol_tokenizer, 6)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def cycled():
+        async with make_engine("fixed:3", pair=pair, num_blocks=64, block_size=8, max_num_seqs=3) as eng:
+            before = eng.device_bytes()
+            assert before["draft_kv"] == eng.memory.draft_kv_bytes > 0          # KV + features, budgeted
+            job = asyncio.ensure_future(run_all(eng, prompts, params, stagger=0.002))
+            await wait_steps(eng, 6)
+            eng.bus.publish("test", [OffloadDraft(reason="test")])
+            await wait_state(eng, "OFFLOADED")
+            assert eng.device_bytes()["draft_kv"] == 0
+            await wait_steps(eng, eng.stats.steps + 5)                           # γ=0 steps: a feature gap
+            accepted = eng.stats.accepted_tokens
+            eng.bus.publish("test", [ReloadDraft(reason="test")])
+            await wait_state(eng, "RESIDENT")
+            await wait_for(lambda: eng.stats.accepted_tokens > accepted or not eng.batcher.seqs, what="drafting")
+            out = await job
+            assert eng.stats.accepted_tokens > accepted                          # drafting resumed
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+            await wait_for(lambda: not eng.draft_allocator.seq_ids(), what="head blocks freed")
+            return out
+    assert asyncio.run(cycled()) == generate_with(make_engine, "off", prompts, params, pair=pair)[0]
