@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from nightjar.actors.sampler import SamplingHints, transform_logits
+from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
 from nightjar.models import LlamaModel
 from nightjar.models.llama import apply_rope
 
@@ -99,11 +99,28 @@ def _pick(logits: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Ten
     out = logits.argmax(-1)                                                       # [B]
     rows = [b for b, g in enumerate(gens) if g is not None]
     if rows:
-        n = len(rows)
-        temp, top_k, top_p = torch.full((n,), TEMPERATURE), torch.zeros(n, dtype=torch.int64), torch.full((n,), TOP_P)
-        probs = transform_logits(logits[rows], temp, top_k, top_p, SamplingHints(truncate=True, any_greedy=False))
-        for j, b in enumerate(rows):                                              # probs [n, V]
-            out[b] = torch.multinomial(probs[j], 1, generator=gens[b])[0]
+        out[rows] = _sample(logits[rows], [gens[b] for b in rows])
+    return out
+
+
+def _sample(logits: torch.Tensor, gens: list[torch.Generator], candidates: int = 256) -> torch.Tensor:
+    """Top-p sampling at temperature T: the smallest prefix of the descending probabilities holding
+    TOP_P of the mass, renormalised; one uniform per row from its generator. The prefix is looked for
+    among the ``candidates`` largest logits (exact when it ends inside them, the usual case at T 0.7;
+    other rows take the full-vocabulary path). logits [n, V] -> [n] int64."""
+    x = logits.float() / TEMPERATURE                                              # [n, V]
+    top_x, top_i = x.topk(min(candidates, x.shape[-1]), dim=-1)                   # [n, C], descending
+    p = (top_x - x.logsumexp(-1, keepdim=True)).exp()                             # [n, C] full-vocab probs
+    cum = p.cumsum(-1)                                                            # [n, C]
+    q = p.masked_fill(cum - p > TOP_P, 0.0)                                       # [n, C] the kept prefix
+    out = top_i.gather(-1, sample_from(q, gens)[:, None]).squeeze(-1)             # [n]
+    wide = (cum[:, -1] <= TOP_P).nonzero().squeeze(1).tolist()                    # prefix not inside C
+    if wide:
+        n = len(wide)
+        probs = transform_logits(logits[wide].float(), torch.full((n,), TEMPERATURE),
+                                 torch.zeros(n, dtype=torch.int64), torch.full((n,), TOP_P),
+                                 SamplingHints(truncate=True, any_greedy=False))  # [w, V]
+        out[wide] = sample_from(probs, [gens[r] for r in wide])
     return out
 
 
