@@ -112,3 +112,19 @@ def test_offload_reload_cycles_with_a_head_keep_greedy_tokens_and_restart_its_co
             await wait_for(lambda: not eng.draft_allocator.seq_ids(), what="head blocks freed")
             return out
     assert asyncio.run(cycled()) == generate_with(make_engine, "off", prompts, params, pair=pair)[0]
+
+
+def test_seeded_tokens_with_a_head_equal_off_and_unseeded_sampling_runs(make_engine, head_pair, smol_tokenizer):
+    from tests.test_seeded_sampling import generate
+
+    prompts = prompts_of_mixed_length(smol_tokenizer, 6)
+    ref, _ = generate(make_engine, "off", prompts, head_pair, max_num_seqs=1)
+    got, stats = generate(make_engine, "fixed:3", prompts, head_pair, max_num_seqs=6)
+    assert got == ref and stats.draft_tokens > 0
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9)   # q from the head
+    out, stats = generate_with(make_engine, "fixed:2", prompts, params, pair=head_pair, max_num_seqs=6)
+    assert all(len(o) == 12 for o in out) and stats.draft_tokens > 0
+    pair = repeat_pair(smol_tokenizer)                      # a head whose seeded drafts are accepted
+    ref, _ = generate(make_engine, "off", prompts, pair, max_num_seqs=1)
+    got, stats = generate(make_engine, "fixed:3", prompts, pair, max_num_seqs=6)
+    assert got == ref and stats.accepted_tokens > 0

@@ -125,3 +125,20 @@ def test_coupled_drafts_are_accepted_exactly_when_they_equal_the_targets_choice(
     same = (seeded_scores(p.expand(n, -1), noise).argmax(-1) == seeded_scores(q.expand(n, -1), noise).argmax(-1))
     rate, optimal = same.double().mean().item(), torch.minimum(p, q).sum().item()    # min(1, p/q) rule: 0.8
     assert 0.6 < rate < optimal
+
+
+def test_verification_emits_the_target_distribution_when_the_draft_lives_on_a_reduced_vocabulary():
+    """A draft head's q is zero outside its draft vocabulary (ids 0..3 of 6 here); p has mass on the rest
+    too: the residual distribution supplies those tokens and the output still follows p."""
+    V, G, n = 6, 3, 30000
+    p = torch.tensor([[0.05, 0.3, 0.1, 0.15, 0.25, 0.15]] * (G + 1)).expand(n, G + 1, V)   # [n, G+1, V]
+    q = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0, 0.0]] * G).expand(n, G, V)                # [n, G, V]
+    gen = torch.Generator().manual_seed(4)
+    drafts = torch.multinomial(q[0, 0], n * G, replacement=True, generator=gen).view(n, G)
+    u = torch.rand(n, G + 1, dtype=torch.float64, generator=gen)
+    toks, acc = rejection_sample(p, drafts, q, torch.full((n,), G), torch.zeros(n, dtype=torch.bool), u)
+    for pos in range(G + 1):
+        reached = toks[:, pos] >= 0
+        freq = torch.bincount(toks[reached, pos], minlength=V).float() / int(reached.sum())
+        assert torch.allclose(freq, p[0, 0], atol=0.02), (pos, freq)
+    assert 0 < acc.float().mean() < G
