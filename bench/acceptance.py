@@ -1,15 +1,21 @@
-"""Draft quality for a target/draft pair: acceptance, cost ratio and single-stream speed-up (greedy).
+"""Draft quality for a target and one or more drafts: acceptance, cost and single-stream speed (greedy).
 
-    python bench/acceptance.py --prompts FILE.jsonl [--gamma 4] [--max-tokens 64] [--model M] [--draft D]
+    python bench/acceptance.py [--draft default,nightjar/models/drafts/smollm2-135m-head] [--gamma 4]
+                               [--max-tokens 64] [--prompts heldout] [--repeats 2] [--speed-prompts 12]
     python bench/acceptance.py --temperature 0.8 --skip-speed    # sampled: Gumbel coupling vs rejection
 
-With ``--temperature T`` the acceptance at γ is also measured for sampled requests, seeded (verified by
-Gumbel-max coupling, reproducible) and unseeded (optimal rejection sampling), on the same prompts.
-
-``--prompts heldout`` uses the held-out split of nightjar/data/prompts.jsonl. Each line of FILE is
-``{"prompt": ...}``, sent as one user chat message. The last line printed is one JSON object with
-mean_accepted_tokens, per_position_acceptance, draft_target_time_ratio, speedup_best_fixed_vs_off,
-best_gamma (and the per-policy tokens/s behind them).
+A draft is an independent model (``default``: the shipped small Llama draft, or any checkpoint) or a
+draft head directory (models/eagle.py). For each draft, on the same prompts (``heldout``: the held-out
+split of nightjar/data/prompts.jsonl, never trained on):
+- acceptance at fixed γ: per draft position (conditional on reaching it) and mean accepted tokens per
+  step incl. the bonus token;
+- cost inside the engine at B=1 (single stream), from the step's own timings: one draft pass
+  (draft time / γ, the first pass's catch-up excluded) against the target's verify forward;
+- for a head, the γ=0 overhead: the time spent capturing and storing the target's features per step
+  (executor and verifier timed in place) against the step (``fixed:0`` with the head loaded);
+- single-stream tokens/s of ``off``, ``fixed:1..γ`` and ``nightjar`` with each draft, all runs
+  interleaved (order rotated per repetition) so a noisy machine slows them alike; medians.
+The last line printed is one JSON object with every figure.
 """
 from __future__ import annotations
 
@@ -17,17 +23,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from step_times import step_time  # noqa: E402
-
-from nightjar.engine import Engine  # noqa: E402
-from nightjar.models import load_draft, load_model  # noqa: E402
-from nightjar.sampling import SamplingParams  # noqa: E402
+from nightjar.engine import Engine
+from nightjar.kernel.messages import StepDrafted, StepTimed
+from nightjar.models import load_draft, load_model
+from nightjar.sampling import SamplingParams
 
 
 def read_prompts(spec: str, limit: int | None) -> list[str]:
@@ -40,15 +42,56 @@ def read_prompts(spec: str, limit: int | None) -> list[str]:
     return [r["prompt"] for r in rows][:limit]
 
 
+class StepLog:
+    """Per-step timings from the bus: draft pass time (excl. catch-up) and the target's verify time."""
+
+    def __init__(self) -> None:
+        self.drafted: dict[int, StepDrafted] = {}
+        self.draft_pass: list[float] = []
+        self.verify: list[float] = []
+
+    def __call__(self, env) -> None:
+        m = env.msg
+        if isinstance(m, StepDrafted):
+            self.drafted[m.step] = m
+        elif isinstance(m, StepTimed) and m.batch_size == 1:
+            d = self.drafted.pop(m.step, None)
+            dt = d.draft_time_s if d else 0.0
+            self.verify.append(m.step_time_s - dt)          # step_time_s = verify + draft (catch-up apart)
+            if d and m.gamma:
+                self.draft_pass.append(dt / m.gamma)
+
+
 async def run_policy(pair, policy: str, gamma_max: int, prompts, max_tokens: int, dtype: str):
-    """Single stream: prompts one after another. Returns (tokens/s, engine stats)."""
+    """Single stream: prompts one after another. Returns (tokens/s, engine stats, step log, γ=0 cost)."""
     async with Engine(policy=policy, loaded=pair, dtype=dtype, gamma_max=gamma_max) as eng:
         await _one(eng, prompts[0], 8)                                   # warm-up
         eng.collector.stats.__init__()
+        log = StepLog()
+        eng.bus.add_tap(log)
+        feature_cost = _time_feature_work(eng)
         n, t0 = 0, time.perf_counter()
         for p in prompts:
             n += await _one(eng, p, max_tokens)
-        return n / (time.perf_counter() - t0), eng.stats
+        return n / (time.perf_counter() - t0), eng.stats, log, feature_cost
+
+
+def _time_feature_work(eng) -> list[float]:
+    """Wrap the head executor's feature store and the verifier's capture hand-off: seconds per step."""
+    from nightjar.actors.draft_head import HeadDraftExecutor
+
+    ex = next((a for a in eng.actors if isinstance(a, HeadDraftExecutor)), None)
+    spent: list[float] = []
+    if ex is None:
+        return spent
+    store = ex._store
+
+    def timed(v):
+        t0 = time.perf_counter()
+        store(v)
+        spent.append(time.perf_counter() - t0)
+    ex._store = timed
+    return spent
 
 
 async def _one(eng, prompt: str, max_tokens: int, sp: SamplingParams | None = None) -> int:
@@ -71,78 +114,84 @@ async def sampled_acceptance(pair, gamma: int, prompts, max_tokens: int, dtype: 
             "mean_accepted_tokens": round(1 + st.accepted_tokens / st.num_drafts, 3)}
 
 
+def acceptance(pair, a, prompts) -> dict:
+    """Greedy acceptance at fixed γ and the B=1 draft-pass / verify costs measured in the same run."""
+    _, st, log, _ = asyncio.run(run_policy(pair, f"fixed:{a.gamma}", a.gamma, prompts, a.max_tokens, a.dtype))
+    t_draft, t_verify = statistics.median(log.draft_pass), statistics.median(log.verify)
+    return {"mean_accepted_tokens": round(1 + st.accepted_tokens / st.num_drafts, 3),
+            "per_position_acceptance": [round(x / st.num_drafts, 3) for x in st.accepted_per_pos],
+            "draft_pass_ms": round(t_draft * 1e3, 2), "target_verify_ms": round(t_verify * 1e3, 2),
+            "draft_target_time_ratio": round(t_draft / t_verify, 4)}
+
+
+def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
+    """Interleaved single-stream runs: (median tokens/s per run name, γ=0 feature-work share per head)."""
+    runs = [("off", None, "off")]
+    for name, pair in pairs.items():
+        runs += [(f"{name} {p}", pair, p) for p in [f"fixed:{g}" for g in range(1, a.gamma + 1)] + ["nightjar"]]
+        if getattr(pair[1].model, "is_head", False):
+            runs.append((f"{name} fixed:0", pair, "fixed:0"))
+    target = next(iter(pairs.values()))[0]
+    speeds = {r[0]: [] for r in runs}
+    zero_cost: dict[str, list[float]] = {}
+    for rep in range(a.repeats):
+        k = rep % len(runs)
+        for label, pair, policy in runs[k:] + runs[:k]:                  # rotate the order
+            tps, _, log, cost = asyncio.run(run_policy(pair or (target, None), policy, a.gamma,
+                                                       prompts[: a.speed_prompts], a.max_tokens, a.dtype))
+            speeds[label].append(tps)
+            if policy == "fixed:0" and cost:
+                zero_cost.setdefault(label.split()[0], []).append(statistics.median(cost) /
+                                                                  statistics.median(log.verify))
+            print(f"  {label:40s} {tps:6.1f} tok/s", flush=True)
+    med = {k: round(statistics.median(v), 2) for k, v in speeds.items()}
+    return med, {k: round(statistics.median(v), 4) for k, v in zero_cost.items()}
+
+
+def summarize(name: str, med: dict, gamma: int) -> dict:
+    fixed = {g: med[f"{name} fixed:{g}"] for g in range(1, gamma + 1)}
+    best = max(fixed, key=fixed.get)
+    return {"best_gamma": best, "speedup_best_fixed_vs_off": round(fixed[best] / med["off"], 3),
+            "nightjar_vs_best_fixed": round(med[f"{name} nightjar"] / fixed[best], 3)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="heldout")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--draft", default="default")
+    ap.add_argument("--draft", default="default", help="comma-separated drafts (models or head directories)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the speed runs")
     ap.add_argument("--speed-prompts", type=int, default=12, help="prompts per single-stream speed run")
-    ap.add_argument("--write-card", action="store_true", help="append the figures to the draft's model card")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="also measure sampled acceptance at this temperature, seeded vs unseeded")
-    ap.add_argument("--skip-speed", action="store_true", help="only acceptance (no greedy or speed runs)")
+    ap.add_argument("--skip-speed", action="store_true", help="only acceptance (no speed runs)")
     a = ap.parse_args(argv)
     prompts = read_prompts(a.prompts, a.limit)
     target = load_model(a.model, a.dtype)
-    draft = load_draft(a.draft, target.config, a.dtype)
-    pair = (target, draft)
-    sampled = {}
-    if a.temperature > 0:
-        for name, seeded in (("seeded_gumbel", True), ("unseeded_rejection", False)):
-            sampled[name] = asyncio.run(sampled_acceptance(pair, a.gamma, prompts, a.max_tokens, a.dtype,
-                                                           a.temperature, seeded))
-            print(f"  T={a.temperature} {name}: {sampled[name]}", flush=True)
-        if a.skip_speed:
-            print(json.dumps({"prompts": len(prompts), "gamma": a.gamma, "temperature": a.temperature, **sampled}))
-            return sampled
-    _, st = asyncio.run(run_policy(pair, f"fixed:{a.gamma}", a.gamma, prompts, a.max_tokens, a.dtype))
-    per_pos = [x / st.num_drafts for x in st.accepted_per_pos]
-    mean_acc = 1 + st.accepted_tokens / st.num_drafts
-    t_target = step_time(target.model, 1, 1, 256, 15, "cpu")
-    t_draft = step_time(draft.model, 1, 1, 256, 15, "cpu")
-    policies = ["off"] + [f"fixed:{g}" for g in range(1, a.gamma + 1)]
-    speeds = {p: [] for p in policies}
-    for r in range(a.repeats):
-        for p in policies[r % len(policies):] + policies[: r % len(policies)]:     # rotate the order
-            tps, _ = asyncio.run(run_policy(pair, p, a.gamma, prompts[: a.speed_prompts], a.max_tokens, a.dtype))
-            speeds[p].append(tps)
-            print(f"  {p:8s} {tps:6.1f} tok/s", flush=True)
-    med = {p: statistics.median(v) for p, v in speeds.items()}
-    best = max(policies[1:], key=lambda p: med[p])
-    result = {
-        "prompts": len(prompts), "gamma": a.gamma, "mean_accepted_tokens": round(mean_acc, 3),
-        "per_position_acceptance": [round(x, 3) for x in per_pos],
-        "draft_target_time_ratio": round(t_draft / t_target, 4),
-        "target_step_ms": round(t_target * 1e3, 2), "draft_step_ms": round(t_draft * 1e3, 2),
-        "tokens_per_s": {p: round(v, 2) for p, v in med.items()},
-        "speedup_best_fixed_vs_off": round(med[best] / med["off"], 3), "best_gamma": int(best.split(":")[1]),
-        **({"temperature": a.temperature, **sampled} if sampled else {}),
-    }
-    print(f"per-position acceptance: {result['per_position_acceptance']}, mean accepted tokens/step "
-          f"(incl. bonus) at γ={a.gamma}: {mean_acc:.2f}; draft/target step time at B=1: "
-          f"{t_draft * 1e3:.2f}/{t_target * 1e3:.2f} ms = {t_draft / t_target:.1%}; best {best}: "
-          f"{result['speedup_best_fixed_vs_off']}x off")
-    if a.write_card and a.draft == "default":
-        _write_card(result, a)
+    pairs = {d: (target, load_draft(d, target.config, a.dtype)) for d in a.draft.split(",")}
+    result = {"prompts": len(prompts), "gamma": a.gamma, "drafts": {}}
+    for name, pair in pairs.items():
+        r = acceptance(pair, a, prompts)
+        if a.temperature > 0:
+            for kind, seeded in (("seeded_gumbel", True), ("unseeded_rejection", False)):
+                r[f"T{a.temperature}_{kind}"] = asyncio.run(sampled_acceptance(
+                    pair, a.gamma, prompts, a.max_tokens, a.dtype, a.temperature, seeded))
+        result["drafts"][name] = r
+        print(f"{name}: {r}", flush=True)
+    if not a.skip_speed:
+        med, zero = speed_runs(pairs, a, prompts)
+        result["tokens_per_s"] = med
+        for name in pairs:
+            result["drafts"][name].update(summarize(name, med, a.gamma))
+            if name in zero:
+                result["drafts"][name]["gamma0_feature_work_share"] = zero[name]
+                result["drafts"][name]["gamma0_vs_off"] = round(med[f"{name} fixed:0"] / med["off"], 3)
     print(json.dumps(result))
     return result
-
-
-def _write_card(result: dict, a) -> None:
-    from nightjar.models import DEFAULT_DRAFT_DIR
-
-    card = DEFAULT_DRAFT_DIR / "README.md"
-    text = card.read_text().split("## Measured acceptance")[0]
-    text += ("## Measured acceptance\n\n"
-             f"`python bench/acceptance.py --prompts {a.prompts} --gamma {a.gamma} --max-tokens {a.max_tokens}` "
-             f"({result['prompts']} held-out prompts, greedy, bf16, 2-core CPU):\n\n```json\n"
-             + json.dumps(result, indent=2) + "\n```\n")
-    card.write_text(text)
 
 
 if __name__ == "__main__":
