@@ -1,0 +1,170 @@
+"""EAGLE-3 head training on a tiny random target (fp32): dense features, label alignment, the unrolled
+training-time test against the head's paged inference, vocabulary selection, a short run and resume."""
+from __future__ import annotations
+
+import torch
+
+from nightjar.kvpool.cache import KVCache
+from nightjar.models import build_layout
+from nightjar.models.eagle import DraftHead, HeadConfig, load_head
+from nightjar.training.eagle import (
+    TrainSetup,
+    batch_loss,
+    bf16_copy,
+    build_cache,
+    collate,
+    coverage,
+    dense_target,
+    init_head,
+    open_cache,
+    save_head,
+    select_vocab,
+    set_standardisation,
+    target_to_draft,
+    train,
+    ttt_forward,
+)
+from tests.conftest import random_model, tiny_config
+
+LAYERS = (0, 1, 3)
+
+
+def tiny_target():
+    return random_model(tiny_config(vocab=100, hidden=32, layers=4), seed=0)
+
+
+def greedy_records(target, n=6, answer=7):
+    """Random prompts answered greedily by the target (so its argmax at position q is x_{q+1})."""
+    g = torch.Generator().manual_seed(0)
+    recs = []
+    for i in range(n):
+        ids = torch.randint(0, 100, (5 + i,), generator=g).tolist()
+        seq = list(ids)
+        for _ in range(answer):
+            _, logits = dense_target(target, torch.tensor([seq]), LAYERS)
+            seq.append(int(logits[0, -1].argmax()))
+        recs.append({"id": f"p{i}", "variant": "greedy", "prompt_ids": ids, "answer_ids": seq[len(ids):]})
+    return recs
+
+
+def test_dense_target_features_and_logits_equal_the_paged_capture():
+    target = tiny_target()
+    seqs = [[3, 14, 15, 92, 65, 35, 89], [7, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    bs = 4
+    tables = [tuple(range(0, 3)), tuple(range(3, 6)), tuple(range(6, 9))]
+    lay = build_layout(seqs, [0, 0, 0], tables, bs, [len(s) for s in seqs])
+    cache = KVCache(4, 2, 8, bs, 9, torch.float32)
+    logits, feats = target(lay, cache, capture=LAYERS)                          # [T, V], [T, 3H]
+    ids = torch.zeros((3, 11), dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+    dfeats, dlogits = dense_target(target, ids, LAYERS)
+    flat = torch.cat([dfeats[b, : len(s)] for b, s in enumerate(seqs)])
+    flat_logits = torch.cat([dlogits[b, : len(s)] for b, s in enumerate(seqs)])
+    assert feats.shape == flat.shape == (sum(map(len, seqs)), 3 * 32)
+    torch.testing.assert_close(flat, feats, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(flat_logits, logits, atol=1e-4, rtol=1e-4)
+
+
+def test_head_position_p_reads_x_p_plus_1_and_is_labelled_with_the_target_at_p_plus_1(tmp_path):
+    target = tiny_target()
+    recs = greedy_records(target)
+    cache = build_cache(target, recs, LAYERS, tmp_path / "cache", k=4, log=lambda s: None)
+    b = collate(cache, [0, 3], max_len=64)
+    for row, r in enumerate([recs[0], recs[3]]):
+        x = r["prompt_ids"] + r["answer_ids"]
+        S, Lp = len(x), len(r["prompt_ids"])
+        feats, _ = dense_target(target, torch.tensor([x]), LAYERS)
+        assert b.positions[row, : S - 1].tolist() == list(range(S - 1))
+        assert b.emb_ids[row, : S - 1].tolist() == x[1:]                          # e_{p+1}
+        torch.testing.assert_close(b.feats[row, : S - 1].float(), feats[0, : S - 1], atol=1e-3, rtol=1e-2)
+        trained = b.mask[row].nonzero().squeeze(1).tolist()
+        assert trained == list(range(Lp - 2, S - 2))                              # x_{p+2} is an answer token
+        # greedy answers: the target's argmax at p+1 is exactly the token the head must predict, x_{p+2}
+        assert [int(b.lab_ids[row, p, 0]) for p in trained] == x[Lp: S]
+    assert not b.mask[0, len(recs[0]["prompt_ids"] + recs[0]["answer_ids"]) - 1:].any()   # padding
+
+
+def random_head(target, vocab=40, seed=1) -> DraftHead:
+    hc = HeadConfig.for_target(target.cfg, vocab, LAYERS)
+    head = init_head(hc, target.lm_head.weight.detach(), torch.arange(0, 2 * vocab, 2), seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        head.feat_shift.copy_(torch.randn(hc.feature_size, generator=g))
+        head.feat_scale.copy_(torch.rand(hc.feature_size, generator=g) + 0.5)
+    return head.eval()
+
+
+def test_unrolled_training_steps_compute_what_paged_inference_computes():
+    target = tiny_target()
+    head = random_head(target)
+    x = [5, 17, 42, 8, 99, 23, 61, 4, 30, 12, 77, 50, 9]
+    S, K = len(x) - 1, 4                                                         # head positions 0..S-1
+    feats, _ = dense_target(target, torch.tensor([x]), LAYERS)
+    emb = target.embed_tokens(torch.tensor([x[1:]]))                             # [1, S, H]
+    with torch.no_grad():
+        outs = ttt_forward(head, feats[:, :S], emb, torch.arange(S)[None], K)
+    table = tuple(range(8))
+    for n in range(1, S - K + 2):                                                # anchor n-1 (committed 0..n-1)
+        cache = KVCache(1, head.cfg.num_kv_heads, head.cfg.head_dim, 4, 8, torch.float32)
+        lay = build_layout([x[:n]], [0], [table], 4, [n])
+        a, _ = head(lay, cache, emb[0, :n], head.fuse(feats[0, :n]))
+        torch.testing.assert_close(a[-1], outs[0][0, n - 1], atol=1e-4, rtol=1e-4)
+        for j in range(1, K):                                                    # draft step j at p = n-1+j
+            p = n - 1 + j
+            if p >= S:
+                break
+            lay = build_layout([[x[p]]], [p], [table], 4, [1])
+            a, _ = head(lay, cache, emb[0, p: p + 1], a[-1:])
+            torch.testing.assert_close(a[-1], outs[j][0, p], atol=1e-4, rtol=1e-4)
+
+
+def test_vocabulary_is_the_most_frequent_ids_sorted_and_maps_both_ways():
+    counts = torch.tensor([5, 0, 9, 1, 7, 0, 3, 2])
+    d2t = select_vocab(counts, 4)
+    assert d2t.tolist() == [0, 2, 4, 6]
+    assert abs(coverage(counts, d2t) - 24 / 27) < 1e-9
+    t2d = target_to_draft(d2t, 8)
+    assert t2d.tolist() == [0, -1, 1, -1, 2, -1, 3, -1]
+    head = init_head(HeadConfig.for_target(tiny_config(vocab=8, hidden=16, layers=2), 4), torch.randn(8, 16), d2t, 0)
+    assert head.to_target_ids(torch.tensor([3, 1])).tolist() == [6, 2]
+
+
+def _setup(target, tmp_path, vocab=40):
+    """A setup whose cache the target fills on first use (records 0 and 1 up front, for the standardisation)."""
+    recs = greedy_records(target, n=8)
+    cache = open_cache(tmp_path / "cache", recs, LAYERS, 32, k=4)
+    d2t = select_vocab(torch.bincount(torch.tensor([t for r in recs for t in r["answer_ids"]]), minlength=100), vocab)
+    head = init_head(HeadConfig.for_target(target.cfg, vocab, LAYERS), target.lm_head.weight.detach(), d2t, 0)
+    setup = TrainSetup(cache, list(range(8)), [], target.embed_tokens.weight.detach(), target_to_draft(d2t, 100),
+                       target, recs)
+    setup.ready([0, 1])
+    set_standardisation(head, cache, [0, 1])
+    return head, setup
+
+
+def test_a_short_run_lowers_the_loss_and_a_rerun_resumes_the_step_count(tmp_path):
+    target = tiny_target()
+    head, setup = _setup(target, tmp_path)
+    assert setup.cache.cached.tolist() == [True, True] + [False] * 6
+    setup.ready(list(range(8)))
+    b = collate(setup.cache, list(range(8)), 64)
+    with torch.no_grad():
+        before = float(batch_loss(head, b, setup.emb_table, setup.t2d, 3)[0])
+    state = train(head, setup, minutes=5, out=tmp_path, steps=3, lr=3e-3, batch=4, max_steps=30, warmup=1,
+                  log=lambda s: None)
+    with torch.no_grad():
+        after = float(batch_loss(head, b, setup.emb_table, setup.t2d, 3)[0])
+    assert state["step"] == 30 and after < before
+    again, setup = _setup(target, tmp_path)
+    assert setup.cache.cached.all()                                              # the reopened cache is reused
+    logs = []
+    state = train(again, setup, minutes=5, out=tmp_path, steps=3, lr=3e-3, batch=4, max_steps=34, warmup=1,
+                  log=logs.append)
+    assert logs[0] == "resumed at step 30 (epoch 15)" and state["step"] == 34
+    save_head(bf16_copy(again), tmp_path / "head", "# card\n")
+    loaded = load_head(tmp_path / "head", target.cfg, torch.bfloat16)
+    assert torch.equal(loaded.fc.weight, again.fc.weight.bfloat16())
+    assert torch.equal(loaded.d2t, again.d2t) and torch.equal(loaded.feat_scale, again.feat_scale)
