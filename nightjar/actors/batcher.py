@@ -139,58 +139,61 @@ class Batcher(Actor):
         sched, self.inflight = self.inflight, None
         if sched is None or sched.step != msg.step:
             return []
-        seqs = self.seqs
+        seqs, aborts = self.seqs, self.aborts
         rows = [seqs.get(rid) for rid in msg.req_ids]        # None: the request is gone
-        self._advance_decode(rows, sched, msg)
-        self._advance_prefill(rows, sched)
-        ids, counts, toks, comp, fin, nprompt = [], [], [], [], [], []
-        tokens, pos, none = msg.tokens, 0, int(FinishReason.NONE)
+        self._advance(rows, sched, msg)
+        ids, counts, toks, comp, fin, nprompt, done = [], [], [], [], [], [], []
+        tokens, pos = msg.tokens, 0
         for seq, rid, c in zip(rows, msg.req_ids, msg.counts):
-            new = tokens[pos: pos + c]
-            pos += c
+            end = pos + c
+            new = tokens[pos: end]
+            pos = end
             if seq is None:
                 continue
-            if c < seq.max_len - len(seq.tokens) and seq.stop_ids.isdisjoint(new):
-                kept, reason = new, none                    # the common case: no stop, room left
+            st = seq.tokens
+            if c < seq.max_len - len(st) and (not seq.stop_ids or seq.stop_ids.isdisjoint(new)):
+                kept, reason = new, 0                       # the common case: no stop, room left
             else:
                 kept, reason = self._apply_stops(seq, new)
-            seq.tokens.extend(kept)
-            if self.aborts and rid in self.aborts:
-                kept, reason = (), self.aborts.pop(rid)
+                reason = int(reason)
+            st.extend(kept)
+            if aborts and rid in aborts:
+                kept, reason = (), int(aborts.pop(rid))
             ids.append(rid)
             counts.append(len(kept))
             toks.extend(kept)
             comp.append(seq.num_computed)
-            fin.append(int(reason))
+            fin.append(reason)
             nprompt.append(seq.num_prompt)
+            if reason:
+                done.append(rid)
         out = [TokensCommitted(step=msg.step, req_ids=tuple(ids), counts=tuple(counts), tokens=tuple(toks),
                                num_computed=tuple(comp), finish=tuple(fin), num_prompt=tuple(nprompt))]
-        done = tuple(rid for rid, f in zip(ids, fin) if f)
+        if not done:
+            return out
         for rid in done:
             self._drop(seqs[rid])
-        return out + ([ReleaseBlocks(req_ids=done)] if done else [])
+        return out + [ReleaseBlocks(req_ids=tuple(done))]
 
     @staticmethod
-    def _advance_decode(rows: list[Seq | None], sched: StepScheduled, msg: StepVerified) -> None:
-        """KV counters and draft lag of the decode rows (before their new tokens are appended);
-        a row's γ_i is ``msg.gammas[row]`` when the step carries them, else the batch γ."""
+    def _advance(rows: list[Seq | None], sched: StepScheduled, msg: StepVerified) -> None:
+        """KV counters of every row and draft lag of the decode rows (before their new tokens are
+        appended); a decode row's γ_i is ``msg.gammas[row]`` when the step carries them, else the batch γ."""
         nd = sched.num_decode
-        gams = list(msg.gammas[: msg.num_decode]) if msg.gammas else []
-        gams += [msg.gamma] * (nd - len(gams))
+        gams = msg.gammas[: msg.num_decode]
+        if len(gams) < nd:
+            gams += (msg.gamma,) * (nd - len(gams))
         for seq, spec, accepted, g in zip(rows[:nd], sched.speculate, msg.accepted, gams):
             if seq is None:
                 continue
             n = len(seq.tokens)
             seq.num_computed = n + accepted
             if g > 0 and spec:
-                seq.draft_computed = n + min(accepted, g - 1)
-
-    @staticmethod
-    def _advance_prefill(rows: list[Seq | None], sched: StepScheduled) -> None:
-        nd = sched.num_decode
-        for seq, start, chunk in zip(rows[nd:], sched.starts[nd:], sched.chunk_ids[nd:]):
-            if seq is not None:
-                seq.num_computed = start + len(chunk)
+                seq.draft_computed = n + (accepted if accepted < g else g - 1)
+        if len(rows) > nd:
+            for seq, start, chunk in zip(rows[nd:], sched.starts[nd:], sched.chunk_ids[nd:]):
+                if seq is not None:
+                    seq.num_computed = start + len(chunk)
 
     def _apply_stops(self, seq: Seq, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason]:
         sp, done = seq.sampling, seq.num_output
@@ -207,11 +210,13 @@ class Batcher(Actor):
         if self.inflight is not None or not (self.running or self.waiting):
             return []
         out = self._finish_stranded()
-        decode = [rid for rid in self.running if self.seqs[rid].in_decode]
-        preempted, need = self._ensure_decode_fits(decode)
-        if preempted:
+        decode, need, total = self._decode_rows()
+        preempted = ()
+        if total > self.num_free and len(self.running) > 1:
+            preempted = self._ensure_decode_fits(need)
             decode = [rid for rid in decode if rid not in preempted]
-        prefill = self._pick_prefill(decode, sum(need.values()))
+            total = sum(need.values())
+        prefill = self._pick_prefill(decode, total)
         if preempted:
             out += [RequestsPreempted(req_ids=preempted), ReleaseBlocks(req_ids=preempted)]
         if decode or prefill:
@@ -231,17 +236,29 @@ class Batcher(Actor):
     def _blocks_for(self, seq: Seq, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - seq.num_blocks)
 
-    def _ensure_decode_fits(self, decode: list[int]) -> tuple[tuple[int, ...], dict[int, int]]:
-        """Preempt (recompute) the newest running requests until every decode row has a slot.
-        Returns the preempted ids and the blocks each remaining decode row needs."""
-        preempted = []
-        seqs, bs, need = self.seqs, self.block_size, {}
-        for r in decode:                            # _blocks_for(seq, num_computed + 1), inlined
+    def _decode_rows(self) -> tuple[list[int], dict[int, int], int]:
+        """Running requests in decode, the blocks each needs for its next slot
+        (``_blocks_for(seq, num_computed + 1)``, inlined) and their sum."""
+        seqs, bs = self.seqs, self.block_size
+        decode, need, total = [], {}, 0
+        for r in self.running:
             s = seqs[r]
-            need[r] = max(0, -(-(s.num_computed + 1) // bs) - s.num_blocks)
+            n, c = len(s.tokens), s.num_computed
+            if c >= n - 1 and n > s.num_prompt:             # Seq.in_decode, inlined
+                decode.append(r)
+                k = -(-(c + 1) // bs) - s.num_blocks
+                k = k if k > 0 else 0
+                need[r] = k
+                total += k
+        return decode, need, total
+
+    def _ensure_decode_fits(self, need: dict[int, int]) -> tuple[int, ...]:
+        """Preempt (recompute) the newest running requests until every decode row has a slot; ``need``
+        (blocks per decode row) loses the preempted rows. Returns the preempted ids."""
+        preempted = []
         while True:
             if sum(need.values()) <= self.num_free or len(self.running) <= 1:
-                return tuple(preempted), need
+                return tuple(preempted)
             victim = self.seqs[max(self.running, key=lambda r: self.seqs[r].arrival)]
             self._preempt(victim)
             need.pop(victim.req_id, None)
@@ -288,22 +305,31 @@ class Batcher(Actor):
             self.seqs[rid].running = True
 
     def _build_step(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> StepScheduled:
+        """The step's StepScheduled: decode rows (last token, draft lag) then prefill chunks."""
         self.step += 1
         S = self.seqs
-        dec = [S[r] for r in decode]
-        pre = [S[r] for r, _, _ in prefill]
-        lags = [len(q.tokens) - 1 - q.draft_computed for q in dec if q.speculate]
-        return StepScheduled(
-            step=self.step, req_ids=tuple(decode) + tuple(r for r, _, _ in prefill),
-            starts=tuple([q.num_computed for q in dec] + [s for _, s, _ in prefill]),
-            chunk_ids=tuple([(q.tokens[-1],) for q in dec] + [tuple(q.tokens[s: s + n])
-                                                               for q, (_, s, n) in zip(pre, prefill)]),
-            num_decode=len(decode),
-            draft_computed=tuple(q.draft_computed for q in dec),
-            speculate=tuple(q.speculate for q in dec),
-            prefill_done=tuple(s + n == len(q.tokens) for q, (_, s, n) in zip(pre, prefill)),
-            max_draft_lag=max(lags, default=0), num_waiting=len(self.waiting),
-        )
+        starts, chunks, dcs, specs, lags = [], [], [], [], []
+        for r in decode:
+            q = S[r]
+            t, dc, sp = q.tokens, q.draft_computed, q.speculate
+            starts.append(q.num_computed)
+            chunks.append((t[-1],))
+            dcs.append(dc)
+            specs.append(sp)
+            if sp:
+                lags.append(len(t) - 1 - dc)
+        rids, done = tuple(decode), []
+        if prefill:
+            for r, s, n in prefill:
+                t = S[r].tokens
+                starts.append(s)
+                chunks.append(tuple(t[s: s + n]))
+                done.append(s + n == len(t))
+            rids += tuple(r for r, _, _ in prefill)
+        return StepScheduled(step=self.step, req_ids=rids, starts=tuple(starts), chunk_ids=tuple(chunks),
+                             num_decode=len(decode), draft_computed=tuple(dcs), speculate=tuple(specs),
+                             prefill_done=tuple(done), max_draft_lag=max(lags, default=0),
+                             num_waiting=len(self.waiting))
 
     # ---- introspection -------------------------------------------------------------------------
     @property
