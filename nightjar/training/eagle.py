@@ -90,25 +90,29 @@ class FeatureCache:
         np.save(self.dir / "cached.npy", self.cached)
 
 
-def read_corpus(path: Path, limit: int | None = None) -> list[dict]:
-    """The corpus records (the first ``limit`` lines; records without an answer skipped)."""
-    recs = []
+def read_corpus(path: Path, limit: int | None = None) -> tuple[list[dict], int]:
+    """(records with an answer among the first ``limit`` complete lines, lines read). A line still being
+    written (no newline yet) is not read."""
+    recs, lines = [], 0
     with Path(path).open() as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
+        for line in f:
+            if (limit is not None and lines >= limit) or not line.endswith("\n"):
                 break
+            lines += 1
             if line.strip():
                 recs.append(json.loads(line))
-    return [r for r in recs if r["answer_ids"]]
+    return [r for r in recs if r["answer_ids"]], lines
 
 
-def open_cache(d: Path, records: list[dict], layers: tuple[int, ...], hidden: int, k: int = TOPK) -> FeatureCache:
-    """The cache of ``records`` in ``d``: reopened when its meta matches, else created empty."""
+def open_cache(d: Path, records: list[dict], layers: tuple[int, ...], hidden: int, k: int = TOPK,
+               lines: int | None = None) -> FeatureCache:
+    """The cache of ``records`` (the first ``lines`` lines of the corpus) in ``d``: reopened when its meta
+    matches, else created empty."""
     d.mkdir(parents=True, exist_ok=True)
     lengths = np.array([len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records], dtype=np.int64)
     plen = np.array([len(r["prompt_ids"]) for r in records], dtype=np.int64)
     meta = {"records": len(records), "tokens": int(lengths.sum()), "k": k, "layers": list(layers),
-            "feature_size": len(layers) * hidden}
+            "feature_size": len(layers) * hidden, "lines": lines if lines is not None else len(records)}
     old = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else None
     reuse = old == meta and (d / "cached.npy").exists()
     N, Fd = meta["tokens"], meta["feature_size"]
@@ -549,8 +553,9 @@ def prepare(a, out: Path, log):
     hc0 = HeadConfig.for_target(target.cfg, a.vocab)
     cache_dir = Path(a.cache) if a.cache else out / "cache"
     meta = cache_dir / "meta.json"
-    records = read_corpus(Path(a.corpus), json.loads(meta.read_text())["records"] if meta.exists() else a.max_records)
-    cache = open_cache(cache_dir, records, hc0.feature_layers, target.cfg.hidden_size)
+    records, lines = read_corpus(Path(a.corpus), json.loads(meta.read_text())["lines"] if meta.exists()
+                                 else a.max_records)
+    cache = open_cache(cache_dir, records, hc0.feature_layers, target.cfg.hidden_size, lines=lines)
     _, val_recs = split_validation(records)
     val_ids = {r["id"] for r in val_recs}
     train_rows = [i for i, r in enumerate(records) if r["id"] not in val_ids]

@@ -2,6 +2,8 @@
 training-time test against the head's paged inference, vocabulary selection, a short run and resume."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from nightjar.kvpool.cache import KVCache
@@ -17,6 +19,7 @@ from nightjar.training.eagle import (
     dense_target,
     init_head,
     open_cache,
+    read_corpus,
     save_head,
     select_vocab,
     set_standardisation,
@@ -168,3 +171,12 @@ def test_a_short_run_lowers_the_loss_and_a_rerun_resumes_the_step_count(tmp_path
     loaded = load_head(tmp_path / "head", target.cfg, torch.bfloat16)
     assert torch.equal(loaded.fc.weight, again.fc.weight.bfloat16())
     assert torch.equal(loaded.d2t, again.d2t) and torch.equal(loaded.feat_scale, again.feat_scale)
+
+
+def test_the_corpus_reader_skips_empty_answers_and_a_line_still_being_written(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    rec = {"id": "a", "variant": "greedy", "prompt_ids": [1, 2], "answer_ids": [3]}
+    path.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "answer_ids": []}) + "\n" + json.dumps(rec)[:9])
+    recs, lines = read_corpus(path)
+    assert recs == [rec] and lines == 2
+    assert read_corpus(path, limit=1) == ([rec], 1)
