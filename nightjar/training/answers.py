@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 import zlib
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
 from nightjar.models import LlamaModel
@@ -59,16 +59,13 @@ class _Batch:
 
 
 def _attend(q, k, v, allowed) -> torch.Tensor:
-    """Grouped-query attention as two matmuls (faster than SDPA for short queries on CPU).
-    q [B, nh, Q, d], k/v [B, nkv, K, d], allowed [B, 1, Q, K] -> [B, nh, Q, d]."""
+    """Grouped-query attention with each KV head's g query heads folded into the query axis, so one
+    SDPA call needs no head expansion (at Q=1 on CPU it measured ~1.5 ms a layer at B=64 where two bf16
+    matmuls took 3-11 ms). q [B, nh, Q, d], k/v [B, nkv, K, d], allowed [B, 1, g*Q, K] -> [B, nh, Q, d]."""
     B, nh, Q, d = q.shape
-    nkv, K = k.shape[1], k.shape[2]
-    g = nh // nkv
-    qg = q.reshape(B, nkv, g * Q, d)                                              # [B, nkv, g*Q, d]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() / math.sqrt(d)        # [B, nkv, g*Q, K]
-    blocked = ~allowed.expand(B, 1, Q, K).repeat(1, 1, g, 1)                      # [B, 1, g*Q, K]
-    probs = scores.masked_fill_(blocked, float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).view(B, nh, Q, d)                               # [B, nh, Q, d]
+    nkv = k.shape[1]
+    qg = q.reshape(B, nkv, nh // nkv * Q, d)                                      # [B, nkv, g*Q, d]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=allowed).view(B, nh, Q, d)
 
 
 def _forward(model: LlamaModel, st: _Batch, ids, pos, start: int, allowed) -> torch.Tensor:
@@ -80,6 +77,7 @@ def _forward(model: LlamaModel, st: _Batch, ids, pos, start: int, allowed) -> to
     x = model.embed_tokens(ids)                                                   # [B, Q, h]
     cos, sin = model.rope(pos.reshape(-1))                                        # [B*Q, 1, d]
     cos, sin = cos.view(B, Q, 1, -1), sin.view(B, Q, 1, -1)                       # [B, Q, 1, d]
+    allowed = allowed.expand(B, 1, Q, end).repeat(1, 1, c.num_heads // c.num_kv_heads, 1)     # [B, 1, g*Q, end]
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
         q, k, v = a.qkv(layer.input_layernorm(x))
@@ -194,7 +192,7 @@ def build_answers(model: LlamaModel, jobs_with_ids, path: Path, chunk: int = 512
     for i in range(0, len(todo), chunk):
         part = todo[i: i + chunk]
         t0 = time.time()
-        recs = generate_answers(model, [(p, s) for _, p, s in part], batch, max_new, log=lambda s: None)
+        recs = generate_answers(model, [(p, s) for _, p, s in part], batch, max_new, log=log)
         recs = [{"id": jid, **r} for (jid, _, _), r in zip(part, recs)]
         with path.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in recs))
@@ -220,7 +218,11 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--limit", type=int, default=None, help="only the first N jobs")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 is faster on cores shared with other busy processes)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     log = lambda s: print(f"[answers {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731
     target = load_model(a.model, dtype=torch.bfloat16, pack=False)
     jobs = corpus_jobs(a.templated, a.samples, a.seed)[: a.limit]
