@@ -58,30 +58,32 @@ class KVPoolActor(Actor):
                 self.alloc.free(rid)
 
     @staticmethod
-    def _needs(ends: list[int], gammas: tuple[int, ...], num_decode: int) -> list[int]:
+    def _needs(s: StepScheduled, gammas: tuple[int, ...]) -> list[int]:
         """Slots each row must cover: its chunk's end, plus γ_i lookahead for a decode row."""
-        return [e + g for e, g in zip(ends[:num_decode], gammas)] + ends[num_decode:]
+        nd = s.num_decode
+        needs = [start + len(chunk) + g for start, chunk, g in zip(s.starts, s.chunk_ids, gammas)]
+        if len(s.starts) > nd:
+            needs += [start + len(chunk) for start, chunk in zip(s.starts[nd:], s.chunk_ids[nd:])]
+        return needs
 
     def _reserve(self, gamma: int, per_row: tuple[int, ...] = ()) -> BlocksReserved:
         """Reserve the step's slots (γ_i per row); when blocks run short, cap every row's γ_i one lower
         at a time (the batch-level γ is lowered for the whole step)."""
-        needed = self.alloc.blocks_needed_rows
-        s = self.sched
+        alloc, s = self.alloc, self.sched
         gammas = row_gammas(gamma, per_row, s.speculate, s.num_decode)
-        ends = [start + len(chunk) for start, chunk in zip(s.starts, s.chunk_ids)]
         while True:
-            needs = self._needs(ends, gammas, s.num_decode)
-            extra = needed(s.req_ids, needs)
-            if gamma == 0 or sum(extra) <= self.alloc.num_free:
+            needs = self._needs(s, gammas)
+            extra = alloc.blocks_needed_rows(s.req_ids, needs)
+            if gamma == 0 or sum(extra) <= alloc.num_free:
                 break
             gamma -= 1
             gammas = tuple(min(g, gamma) for g in gammas)
         if per_row:
             gamma = max(gammas, default=0)
-        self.alloc.reserve_rows(s.req_ids, needs, extra)
+        alloc.reserve_rows(s.req_ids, needs, extra)
         return BlocksReserved(step=s.step, gamma=gamma,
-                              block_tables=self.alloc.block_tables(s.req_ids),
-                              num_free=self.alloc.num_free, num_total=self.alloc.num_total,
+                              block_tables=alloc.block_tables(s.req_ids),
+                              num_free=alloc.num_free, num_total=alloc.num_total,
                               gammas=gammas if per_row and gamma else ())
 
     def _commit(self, msg: TokensCommitted) -> None:

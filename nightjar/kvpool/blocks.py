@@ -103,12 +103,15 @@ class BlockAllocator:
     def _alloc(self, k: int) -> list[int]:
         """Pop ``k`` free blocks (caller checked availability), lowest segment first."""
         out: list[int] = []
+        rc = self._refcount
         for stack, live in zip(self._free_stacks, self._live):
             while stack and len(out) < k:
                 b = stack.pop()
-                self._refcount[b] = 1
+                rc[b] = 1
                 live.add(b)
                 out.append(b)
+            if len(out) == k:
+                break
         self._num_free -= len(out)
         return out
 
@@ -142,7 +145,8 @@ class BlockAllocator:
             if n < 0:
                 raise KVPoolError(f"num_tokens must be >= 0, got {n}")
             seq = seqs.get(sid)
-            out.append(max(0, -(-n // bs) - (len(seq.table) if seq is not None else 0)))
+            k = -(-n // bs) - (len(seq.table) if seq is not None else 0)
+            out.append(k if k > 0 else 0)
         return out
 
     def reserve(self, seq_id: int, num_tokens: int) -> None:
@@ -151,7 +155,9 @@ class BlockAllocator:
         if need > self._num_free:
             raise KVPoolError(
                 f"seq {seq_id!r}: need {need} blocks for {num_tokens} tokens, only {self._num_free} free")
-        seq = self._seqs.setdefault(seq_id, _Seq())
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = _Seq()
         if need:
             seq.table.extend(self._alloc(need))
             seq.frozen = None
