@@ -32,13 +32,26 @@ class SyncBus:
             self.routes[t].append(actor)
 
     def publish(self, src: str, msgs) -> None:
+        if self.taps:
+            return self._publish_tapped(src, msgs)
+        routes, q = self.routes, self.queue
+        seq = self.seq
+        for msg in msgs:
+            seq += 1
+            actors = routes.get(type(msg))
+            if actors:
+                for actor in actors:
+                    q.append((actor, msg))
+        self.seq = seq
+
+    def _publish_tapped(self, src: str, msgs) -> None:
+        """``publish`` with taps: each message is stamped into an Envelope for them first."""
         routes, q = self.routes, self.queue
         for msg in msgs:
             self.seq += 1
-            if self.taps:
-                env = Envelope(self.seq, self.clock.t, src, msg)
-                for tap in self.taps:
-                    tap(env)
+            env = Envelope(self.seq, self.clock.t, src, msg)
+            for tap in self.taps:
+                tap(env)
             for actor in routes.get(type(msg), ()):
                 q.append((actor, msg))
 
@@ -55,6 +68,7 @@ class SyncBus:
 
     def run(self, until: float | None = None) -> None:
         q, timers, clock, pop, hpop = self.queue, self.timers, self.clock, self.queue.popleft, heapq.heappop
+        routes, append = self.routes, self.queue.append
         n = 0
         while True:
             now = clock.t
@@ -62,8 +76,19 @@ class SyncBus:
                 actor, msg = pop()
                 out = actor.handle(msg, now)
                 n += 1
-                if out:
+                if not out:
+                    continue
+                if self.taps:
                     self.publish(actor.name, out)
+                    continue
+                k = 0                               # publish, inlined (no taps: no envelopes)
+                for m in out:
+                    k += 1
+                    actors = routes.get(type(m))
+                    if actors:
+                        for a in actors:
+                            append((a, m))
+                self.seq += k
             if not timers or (until is not None and timers[0][0] > until):
                 break
             t, _, fn, args = hpop(timers)

@@ -317,12 +317,24 @@ class SimCollector:
                 self.gamma_sum += msg.gamma
                 self.batch_sum += msg.batch_size
                 self.drafted += sum(msg.drafted_per_pos) if msg.drafted_per_pos else msg.num_drafts * msg.gamma
-                hist = gamma_histogram(msg.batch_size, msg.gamma, msg.num_drafts, msg.drafted_per_pos)
-                for k, n in enumerate(hist):
-                    self.row_gamma[k] = self.row_gamma.get(k, 0) + n
+                self._count_rows(msg)
                 self.accepted += sum(msg.accepted_per_pos)
         elif t is SubmitRequest:
             self.arrival[msg.req_id] = now
         elif t is TransferFinished:
             self.transfers += 1
         return None
+
+    def _count_rows(self, msg: StepTimed) -> None:
+        """Add the step's rows per γ_i to ``row_gamma`` (keys 0..γ, zero counts included)."""
+        rg, g = self.row_gamma, msg.gamma
+        if msg.drafted_per_pos:
+            for k, n in enumerate(gamma_histogram(msg.batch_size, g, msg.num_drafts, msg.drafted_per_pos)):
+                rg[k] = rg.get(k, 0) + n
+        elif g:                 # batch-level γ: num_drafts rows drafted γ, the rest 0 (gamma_histogram's counts)
+            rg[0] = rg.get(0, 0) + (msg.batch_size - msg.num_drafts)
+            for k in range(1, g):
+                rg[k] = rg.get(k, 0)
+            rg[g] = rg.get(g, 0) + msg.num_drafts
+        else:
+            rg[0] = rg.get(0, 0) + msg.batch_size
