@@ -54,6 +54,21 @@ class Seq:
         return len(self.tokens) - (1 if self.num_output else 0)
 
 
+@dataclass(slots=True)
+class _DecodeRows:
+    """A step's decode rows as the batcher collects them: ids, Seq objects, blocks each needs (and
+    their sum) and the StepScheduled columns (start, last token, draft KV, speculate, draft lags)."""
+    ids: list[int] = field(default_factory=list)
+    seqs: list[Seq] = field(default_factory=list)
+    need: dict[int, int] = field(default_factory=dict)
+    total: int = 0
+    starts: list[int] = field(default_factory=list)
+    chunks: list[tuple[int, ...]] = field(default_factory=list)
+    dcs: list[int] = field(default_factory=list)
+    specs: list[bool] = field(default_factory=list)
+    lags: list[int] = field(default_factory=list)
+
+
 class Batcher(Actor):
     name: ClassVar[str] = "batcher"
     subscribes = (RequestAdmitted, CancelRequest, StepVerified, BlocksReserved, PoolResized)
@@ -69,6 +84,7 @@ class Batcher(Actor):
         self.running: list[int] = []
         self.step = 0
         self.inflight: StepScheduled | None = None
+        self._rows: list[Seq] = []             # the Seq of each row of ``inflight``, in row order
         self.arrivals = 0
         self.num_preemptions = 0
         self.aborts: dict[int, FinishReason] = {}
@@ -140,18 +156,34 @@ class Batcher(Actor):
         if sched is None or sched.step != msg.step:
             return []
         seqs, aborts = self.seqs, self.aborts
-        rows = [seqs.get(rid) for rid in msg.req_ids]        # None: the request is gone
-        self._advance(rows, sched, msg)
+        if msg.req_ids is sched.req_ids:       # the rows _build_step scheduled: they stay in seqs until now
+            rows = self._rows
+        else:
+            rows = [seqs.get(rid) for rid in msg.req_ids]        # None: the request is gone
+        nd, accs, specs, starts, chunks = sched.num_decode, msg.accepted, sched.speculate, sched.starts, sched.chunk_ids
+        gams = msg.gammas[: msg.num_decode]     # γ_i per decode row, else the batch γ
+        if len(gams) < nd:
+            gams += (msg.gamma,) * (nd - len(gams))
         ids, counts, toks, comp, fin, nprompt, done = [], [], [], [], [], [], []
-        tokens, pos = msg.tokens, 0
+        tokens, pos, i = msg.tokens, 0, -1
         for seq, rid, c in zip(rows, msg.req_ids, msg.counts):
+            i += 1
             end = pos + c
             new = tokens[pos: end]
             pos = end
             if seq is None:
                 continue
             st = seq.tokens
-            if c < seq.max_len - len(st) and (not seq.stop_ids or seq.stop_ids.isdisjoint(new)):
+            n = len(st)
+            if i < nd:                          # KV counters and draft lag before the new tokens
+                a = accs[i]
+                seq.num_computed = n + a
+                g = gams[i]
+                if g > 0 and specs[i]:
+                    seq.draft_computed = n + (a if a < g else g - 1)
+            else:
+                seq.num_computed = starts[i] + len(chunks[i])
+            if c < seq.max_len - n and (not seq.stop_ids or seq.stop_ids.isdisjoint(new)):
                 kept, reason = new, 0                       # the common case: no stop, room left
             else:
                 kept, reason = self._apply_stops(seq, new)
@@ -175,26 +207,6 @@ class Batcher(Actor):
             self._drop(seqs[rid])
         return out + [ReleaseBlocks(req_ids=tuple(done))]
 
-    @staticmethod
-    def _advance(rows: list[Seq | None], sched: StepScheduled, msg: StepVerified) -> None:
-        """KV counters of every row and draft lag of the decode rows (before their new tokens are
-        appended); a decode row's γ_i is ``msg.gammas[row]`` when the step carries them, else the batch γ."""
-        nd = sched.num_decode
-        gams = msg.gammas[: msg.num_decode]
-        if len(gams) < nd:
-            gams += (msg.gamma,) * (nd - len(gams))
-        for seq, spec, accepted, g in zip(rows[:nd], sched.speculate, msg.accepted, gams):
-            if seq is None:
-                continue
-            n = len(seq.tokens)
-            seq.num_computed = n + accepted
-            if g > 0 and spec:
-                seq.draft_computed = n + (accepted if accepted < g else g - 1)
-        if len(rows) > nd:
-            for seq, start, chunk in zip(rows[nd:], sched.starts[nd:], sched.chunk_ids[nd:]):
-                if seq is not None:
-                    seq.num_computed = start + len(chunk)
-
     def _apply_stops(self, seq: Seq, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason]:
         sp, done = seq.sampling, seq.num_output
         room = seq.max_len - len(seq.tokens)                                       # tokens still allowed
@@ -210,17 +222,16 @@ class Batcher(Actor):
         if self.inflight is not None or not (self.running or self.waiting):
             return []
         out = self._finish_stranded()
-        decode, need, total = self._decode_rows()
+        rows = self._decode_rows()
         preempted = ()
-        if total > self.num_free and len(self.running) > 1:
-            preempted = self._ensure_decode_fits(need)
-            decode = [rid for rid in decode if rid not in preempted]
-            total = sum(need.values())
-        prefill = self._pick_prefill(decode, total)
+        if rows.total > self.num_free and len(self.running) > 1:
+            preempted = self._ensure_decode_fits(rows.need)
+            rows = self._decode_rows([rid for rid in rows.ids if rid not in preempted])
+        prefill = self._pick_prefill(rows.ids, rows.total)
         if preempted:
             out += [RequestsPreempted(req_ids=preempted), ReleaseBlocks(req_ids=preempted)]
-        if decode or prefill:
-            self.inflight = self._build_step(decode, prefill)
+        if rows.ids or prefill:
+            self.inflight = self._build_step(rows, prefill)
             out.append(self.inflight)
         return out
 
@@ -236,21 +247,35 @@ class Batcher(Actor):
     def _blocks_for(self, seq: Seq, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - seq.num_blocks)
 
-    def _decode_rows(self) -> tuple[list[int], dict[int, int], int]:
-        """Running requests in decode, the blocks each needs for its next slot
-        (``_blocks_for(seq, num_computed + 1)``, inlined) and their sum."""
+    def _decode_rows(self, ids: list[int] | None = None) -> _DecodeRows:
+        """The decode rows (running requests in decode, or ``ids``) with their StepScheduled columns and
+        the blocks each needs for its next slot (``_blocks_for(seq, num_computed + 1)``, inlined)."""
         seqs, bs = self.seqs, self.block_size
-        decode, need, total = [], {}, 0
-        for r in self.running:
+        rows = _DecodeRows()
+        decode, seq_rows, need, starts, chunks, dcs, specs, lags = (
+            rows.ids, rows.seqs, rows.need, rows.starts, rows.chunks, rows.dcs, rows.specs, rows.lags)
+        total = 0
+        for r in self.running if ids is None else ids:
             s = seqs[r]
-            n, c = len(s.tokens), s.num_computed
-            if c >= n - 1 and n > s.num_prompt:             # Seq.in_decode, inlined
-                decode.append(r)
-                k = -(-(c + 1) // bs) - s.num_blocks
-                k = k if k > 0 else 0
-                need[r] = k
-                total += k
-        return decode, need, total
+            t = s.tokens
+            n, c = len(t), s.num_computed
+            if ids is None and not (c >= n - 1 and n > s.num_prompt):       # Seq.in_decode, inlined
+                continue
+            decode.append(r)
+            seq_rows.append(s)
+            k = -(-(c + 1) // bs) - s.num_blocks
+            k = k if k > 0 else 0
+            need[r] = k
+            total += k
+            dc, sp = s.draft_computed, s.speculate
+            starts.append(c)
+            chunks.append((t[-1],))
+            dcs.append(dc)
+            specs.append(sp)
+            if sp:
+                lags.append(n - 1 - dc)
+        rows.total = total
+        return rows
 
     def _ensure_decode_fits(self, need: dict[int, int]) -> tuple[int, ...]:
         """Preempt (recompute) the newest running requests until every decode row has a slot; ``need``
@@ -304,31 +329,24 @@ class Batcher(Actor):
             self.running.append(rid)
             self.seqs[rid].running = True
 
-    def _build_step(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> StepScheduled:
+    def _build_step(self, rows: _DecodeRows, prefill: list[tuple[int, int, int]]) -> StepScheduled:
         """The step's StepScheduled: decode rows (last token, draft lag) then prefill chunks."""
         self.step += 1
-        S = self.seqs
-        starts, chunks, dcs, specs, lags = [], [], [], [], []
-        for r in decode:
-            q = S[r]
-            t, dc, sp = q.tokens, q.draft_computed, q.speculate
-            starts.append(q.num_computed)
-            chunks.append((t[-1],))
-            dcs.append(dc)
-            specs.append(sp)
-            if sp:
-                lags.append(len(t) - 1 - dc)
-        rids, done = tuple(decode), []
+        starts, chunks, self._rows, done = rows.starts, rows.chunks, rows.seqs, []
+        rids = tuple(rows.ids)
         if prefill:
+            S = self.seqs
             for r, s, n in prefill:
-                t = S[r].tokens
+                q = S[r]
+                t = q.tokens
+                self._rows.append(q)
                 starts.append(s)
                 chunks.append(tuple(t[s: s + n]))
                 done.append(s + n == len(t))
             rids += tuple(r for r, _, _ in prefill)
         return StepScheduled(step=self.step, req_ids=rids, starts=tuple(starts), chunk_ids=tuple(chunks),
-                             num_decode=len(decode), draft_computed=tuple(dcs), speculate=tuple(specs),
-                             prefill_done=tuple(done), max_draft_lag=max(lags, default=0),
+                             num_decode=len(rows.ids), draft_computed=tuple(rows.dcs), speculate=tuple(rows.specs),
+                             prefill_done=tuple(done), max_draft_lag=max(rows.lags, default=0),
                              num_waiting=len(self.waiting))
 
     # ---- introspection -------------------------------------------------------------------------
