@@ -578,7 +578,7 @@ def prepare(a, out: Path, log):
     cache.save_flags()
     log(f"standardisation over {len(first)} records; the target ran {ran} tokens in {time.time() - t0:.0f}s")
     set_standardisation(head, cache, first)
-    info = {"records": len(records), "train_records": len(train_rows), "val_records": len(val_rows),
+    info = {"lines": lines, "records": len(records), "train_records": len(train_rows), "val_records": len(val_rows),
             "tokens": int(cache.lengths.sum()), "answer_tokens": sum(len(r["answer_ids"]) for r in records),
             "prompts": len({r["id"] for r in records}), "coverage": cov}
     return head, setup, info
@@ -608,7 +608,8 @@ with `nightjar/training/eagle.py`.
 - Shape: one decoder layer of the target's width ({hc.hidden_size}, {hc.num_heads} heads / {hc.num_kv_heads} KV,
   MLP {hc.intermediate_size}) over [target embedding of x_(i+1) | fused features]; features = the raw residual stream
   after target layers {list(hc.feature_layers)}, standardised per dimension (mean/std of ~50k training tokens), then
-  `fc`; draft vocabulary {hc.draft_vocab} target ids (the most frequent target argmax tokens of the training split).
+  `fc`; draft vocabulary {hc.draft_vocab} target ids (the most frequent answer tokens of the training split: the
+  target's own answers, its argmax where greedy; ties and unseen ids by lowest id).
 - Data: {info['records']} answers of the target to {info['prompts']} training prompts ({a.corpus}):
   {info['tokens']} tokens (prompt + answer), {info['answer_tokens']} answer tokens; {info['train_records']} answers
   train, {info['val_records']} validation (every 20th prompt id, `distill.split_validation`). The held-out split was
@@ -639,9 +640,16 @@ first, over the training answers the run cached).
 ## Reproduce
 
 `python -m nightjar.training.eagle --corpus {a.corpus} --out DIR --minutes {a.minutes:g} --vocab {a.vocab}
---ttt {a.ttt} --seed {a.seed}` (the learning-rate schedule follows wall time: another machine lands near, not on,
+--ttt {a.ttt} --seed {a.seed} --lr {a.lr:g} --batch {a.batch}{_extra_flags(a)}` over the first {info['lines']} lines
+of the corpus (the learning-rate schedule follows wall time: another machine lands near, not on,
 these weights).
 """
+
+
+def _extra_flags(a) -> str:
+    flags = [f" --max-len {a.max_len}"] if a.max_len != 512 else []
+    flags += [" --drop-oov"] if a.drop_oov else []
+    return "".join(flags + ([f" --max-steps {a.max_steps}"] if a.max_steps else []))
 
 
 if __name__ == "__main__":
