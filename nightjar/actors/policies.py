@@ -155,6 +155,7 @@ class SwitchCostModel:
         self.seed = None if seed is None else (float(seed[0]), float(seed[1]))
         self._fit = _LinFit(discount)
         self.observations = 0
+        self._coef: tuple | None = None         # (coef(),) until the next observation
 
     def observe(self, r: StepTimed) -> None:
         """Learn from a step that reported a catch-up."""
@@ -163,9 +164,16 @@ class SwitchCostModel:
         x = r.catchup_tokens if self.lag == "sum" else r.max_draft_lag
         self._fit.add(float(x), float(r.catchup_time_s))
         self.observations += 1
+        self._coef = None
 
     def coef(self) -> tuple[float, float] | None:
-        """Current (c0, c1): fitted, else the seed, else None."""
+        """Current (c0, c1): fitted, else the seed, else None (kept until the next observation)."""
+        c = self._coef
+        if c is None:
+            c = self._coef = (self._fit_coef(),)
+        return c[0]
+
+    def _fit_coef(self) -> tuple[float, float] | None:
         ab = self._fit.coef(through_origin=True)
         if ab is not None and ab[1] < 0.0:  # noisy fit: fall back to proportional
             ab = (0.0, self._fit.sy / self._fit.sx) if self._fit.sx > 0 else (ab[0], 0.0)

@@ -315,7 +315,15 @@ class ModelNightjarPolicy(Policy):
         """Correction = (k·1 + Σ ratio) / (k + w): k = ``prior_weight`` pseudo-samples at the model, so
         a young arm's first samples cannot absorb a drift the level is still learning; its standard
         error falls from ``model_sd`` (no data) to the per-step noise / √w."""
-        return self._times([arm], [base])[0]
+        k, now = self.prior_w, self._now
+        mk2, nv = self.model_var * k * k, max(self.noise2, self.noise_floor ** 2)
+        lvl = self._level()
+        lvl = lvl if lvl > 0.0 else (1.0 if self.profile is not None else 0.03)
+        w = arm.w
+        mean = (k + arm.s) / (k + w)
+        if w and arm.t != now:                    # as in _times
+            w *= self.stale_discount ** (now - arm.t)
+        return lvl * base * mean, math.sqrt(mk2 + nv * w) / (k + w)
 
     def _times(self, arms: list[_Arm], bases: list[float]) -> list[tuple[float, float]]:
         """``_time`` for several arms of the current bucket (the hot path of ``decide``)."""
