@@ -443,7 +443,7 @@ def train(head: DraftHead, setup: TrainSetup, minutes: float, out: Path, steps: 
 
     def checkpoint(validate: bool):
         nonlocal best
-        if validate or best is None:
+        if (validate and not any(v["step"] == state["step"] for v in state["val"])) or best is None:
             best = _select(head, work, setup, val_rows, steps, max_len, state, best, log)
         setup.cache.save_flags()
         state["elapsed"] = time.time() - t_start
