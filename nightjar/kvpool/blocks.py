@@ -163,11 +163,21 @@ class BlockAllocator:
             seq.frozen = None
 
     def reserve_rows(self, seq_ids: Sequence[int], num_tokens: Sequence[int], extra: Sequence[int]) -> None:
-        """``reserve`` each row that is new or short of blocks (``extra``: its ``blocks_needed``)."""
+        """``reserve`` each row that is new or short of blocks; ``extra``: each row's ``blocks_needed``
+        for ``num_tokens``, computed before this call (each seq once)."""
         seqs = self._seqs
         for sid, n, e in zip(seq_ids, num_tokens, extra):
-            if e or sid not in seqs:
-                self.reserve(sid, n)
+            if not e:
+                if sid not in seqs:
+                    seqs[sid] = _Seq()
+                continue
+            if e > self._num_free:
+                raise KVPoolError(f"seq {sid!r}: need {e} blocks for {n} tokens, only {self._num_free} free")
+            seq = seqs.get(sid)
+            if seq is None:
+                seq = seqs[sid] = _Seq()
+            seq.table.extend(self._alloc(e))
+            seq.frozen = None
 
     def commit(self, seq_id: int, num_tokens: int) -> None:
         """Record that slots ``[0, num_tokens)`` hold valid KV (non-decreasing, <= capacity)."""
@@ -232,7 +242,20 @@ class BlockAllocator:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KVPoolError(f"free of unknown seq {seq_id!r}")
-        return sum(self._release(b) for b in reversed(seq.table))
+        if len(self._segments) > 1:
+            return sum(self._release(b) for b in reversed(seq.table))
+        rc, live, stack, freed = self._refcount, self._live[0], self._free_stacks[0], 0
+        for b in reversed(seq.table):            # _release, inlined for the single segment
+            r = rc[b] - 1
+            if r < 0:
+                raise KVPoolError(f"double free of block {b}")
+            rc[b] = r
+            if not r:
+                live.discard(b)
+                stack.append(b)
+                self._num_free += 1
+                freed += 1
+        return freed
 
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
