@@ -14,8 +14,6 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -41,9 +39,9 @@ MAX_COPY_FAILURES = 3
 @dataclass
 class DraftSlot:
     """The draft model and its KV cache; the weight mover swaps their storage between device and host."""
-    model: torch.nn.Module
+    model: object                      # torch.nn.Module (torch is not imported here: the simulator)
     cache: object
-    device: torch.device
+    device: object                     # torch.device
 
     @property
     def weight_bytes(self) -> int:
