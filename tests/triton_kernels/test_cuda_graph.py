@@ -372,7 +372,7 @@ def engine_run(pair, prompts, policy: str, runners: bool, monkeypatch, cycle: bo
     async def main():
         async with Engine(policy=policy, loaded=pair, dtype="float32", device=DEV, num_blocks=48, block_size=4,
                           max_num_seqs=3, gamma_max=3, enforce_eager=not runners) as eng:
-            sp = SamplingParams(max_tokens=12, ignore_eos=True)
+            sp = SamplingParams(max_tokens=24, ignore_eos=True)   # shapes repeat (replays) under any timing
 
             async def one(p):
                 return [t for o in [o async for o in eng.generate(p, sp)] for t in o.token_ids]
