@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.nightjar-installed
 PYTEST_ARGS ?=
 
-.PHONY: test lint serve venv models bench clean
+.PHONY: test lint serve venv models bench clean draft-head
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,17 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m nightjar models pull
 	$(PY) -m nightjar bench serve --launch --policy nightjar --trace spike --output-json bench.json --plot bench.png
+
+# The draft head for the default target, from scratch, resumable (rerun after a stop): the target's answers to
+# the training prompts (~700k tokens), then EAGLE-3-style training. Outputs under TRAIN_DIR, never in the repo.
+TRAIN_DIR ?= .distill/head
+HEAD_MINUTES ?= 60
+draft-head: $(STAMP)
+	$(PY) -m nightjar models pull
+	mkdir -p $(TRAIN_DIR)
+	$(PY) -m nightjar.training.answers --out $(TRAIN_DIR)/answers.jsonl --templated 4000 --samples 2 --seed 0
+	$(PY) -m nightjar.training.eagle --corpus $(TRAIN_DIR)/answers.jsonl --out $(TRAIN_DIR)/run \
+	    --minutes $(HEAD_MINUTES) --vocab 8192 --ttt 4 --seed 0
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
