@@ -627,7 +627,8 @@ with `nightjar/training/eagle.py`.
   + 0.2 x CE on the target's argmax where in-vocabulary{' (positions with an out-of-vocabulary argmax dropped)'
                                                            if a.drop_oov else ''}.
 - Training: {state['step']} steps of AdamW (batch {a.batch} answers, lr {a.lr:g}, warm-up then cosine over
-  {a.minutes:g} min, grad clip 1.0, bf16 autocast), {state['epoch']} full epochs, {state['elapsed'] / 60:.1f} min on
+  {a.minutes:g} min, grad clip 1.0; forward and backward on a bf16 copy, AdamW on fp32 master weights),
+  {state['epoch']} full epochs, {state['elapsed'] / 60:.1f} min on
   2 CPU cores (the target's forwards for the cache included: it ran {state.get('target_tokens', 0)} tokens while
   training; the cache is filled on first use); final training loss
   {sum(last) / max(1, len(last)):.3f} (mean of the last 50 steps); kept the weights of step {state['best_step']}
