@@ -32,43 +32,39 @@ def test_our_loader_and_transformers_give_the_same_draft_logits():
     assert torch.allclose(got, ref, atol=1e-4)
 
 
-def test_speculative_decoding_with_the_draft_is_greedy_exact_on_smollm2(smollm2_fp32):
+def greedy_runs(pair, policy: str, prompts: list[str], max_tokens: int = 32):
+    """Each prompt's greedy tokens through an fp32 engine on ``pair``, and the engine's stats."""
     from nightjar.engine import Engine
     from nightjar.sampling import SamplingParams
 
-    draft = load_draft("default", smollm2_fp32.config, "float32")
-    prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "Explain photosynthesis briefly."]
-
-    async def run(policy):
-        async with Engine(policy=policy, loaded=(smollm2_fp32, draft), dtype="float32", gamma_max=4) as eng:
+    async def run():
+        async with Engine(policy=policy, loaded=pair, dtype="float32", gamma_max=4) as eng:
             async def one(p):
                 return [t for o in [x async for x in eng.generate([{"role": "user", "content": p}],
-                                                                   SamplingParams(max_tokens=32))] for t in o.token_ids]
+                                                                   SamplingParams(max_tokens=max_tokens))]
+                        for t in o.token_ids]
             return await asyncio.gather(*[one(p) for p in prompts]), eng.stats
-    ref, _ = asyncio.run(run("off"))
-    got, stats = asyncio.run(run("fixed:4"))
+    return asyncio.run(run())
+
+
+def test_speculative_decoding_with_the_draft_is_greedy_exact_on_smollm2(smollm2_fp32):
+    draft = load_draft("default", smollm2_fp32.config, "float32")
+    prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "Explain photosynthesis briefly."]
+    ref, _ = greedy_runs((smollm2_fp32, draft), "off", prompts)
+    got, stats = greedy_runs((smollm2_fp32, draft), "fixed:4", prompts)
     assert got == ref
     assert stats.accepted_tokens > 0.2 * stats.draft_tokens       # a trained draft, not a random one
 
 
 def test_the_shipped_draft_head_loads_small_and_drafts_greedy_exact_on_smollm2(smollm2_fp32):
-    from nightjar.engine import Engine
     from nightjar.models import DRAFTS_DIR
-    from nightjar.sampling import SamplingParams
 
     head_dir = DRAFTS_DIR / "smollm2-135m-head"
     assert (head_dir / "head.safetensors").stat().st_size <= 40 * 1024 * 1024
     head = load_draft(str(head_dir), smollm2_fp32.config, "float32")
     assert head.model.is_head and head.model.hc.draft_vocab == 8192
     prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "List three primary colours."]
-
-    async def run(policy):
-        async with Engine(policy=policy, loaded=(smollm2_fp32, head), dtype="float32", gamma_max=4) as eng:
-            async def one(p):
-                return [t for o in [x async for x in eng.generate([{"role": "user", "content": p}],
-                                                                   SamplingParams(max_tokens=32))] for t in o.token_ids]
-            return await asyncio.gather(*[one(p) for p in prompts]), eng.stats
-    ref, _ = asyncio.run(run("off"))
-    got, stats = asyncio.run(run("fixed:3"))
+    ref, _ = greedy_runs((smollm2_fp32, head), "off", prompts)
+    got, stats = greedy_runs((smollm2_fp32, head), "fixed:3", prompts)
     assert got == ref
     assert stats.accepted_tokens > 0.2 * stats.draft_tokens       # a trained head, fed the right features
