@@ -112,11 +112,7 @@ class HeadDraftExecutor(DraftExecutor):
 
     def _slots(self, rows) -> torch.Tensor:
         """Cache slots of absolute positions [p0, p0+k) of each (rid, p0, k) -> [sum k] int64."""
-        bs, out = self.alloc.block_size, []
-        for rid, p0, k in rows:
-            table, base = self.alloc.block_table(rid), self.ctx[rid].base
-            out.extend(table[j // bs] * bs + j % bs for j in range(p0 - base, p0 - base + k))
-        return torch.tensor(out, dtype=torch.int64, device=self.slot.device)
+        return self._local_slots([(rid, p0 - self.ctx[rid].base, k) for rid, p0, k in rows])
 
     # ---- drafting -----------------------------------------------------------------------------
     def _room(self, rid: int, g: int) -> bool:
