@@ -29,6 +29,7 @@ from pathlib import Path
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepDrafted, StepTimed
 from nightjar.models import load_draft, load_model
+from nightjar.models.eagle import is_head
 from nightjar.sampling import SamplingParams
 
 
@@ -129,7 +130,7 @@ def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
     runs = [("off", None, "off")]
     for name, pair in pairs.items():
         runs += [(f"{name} {p}", pair, p) for p in [f"fixed:{g}" for g in range(1, a.gamma + 1)] + ["nightjar"]]
-        if getattr(pair[1].model, "is_head", False):
+        if is_head(pair[1].model):
             runs.append((f"{name} fixed:0", pair, "fixed:0"))
     target = next(iter(pairs.values()))[0]
     speeds = {r[0]: [] for r in runs}

@@ -36,6 +36,7 @@ from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import HeadCache, KVCache
 from nightjar.models import LoadedModel
 from nightjar.models.cuda_graph import attach_graphs, detach_graphs
+from nightjar.models.eagle import is_head
 from nightjar.models.quant import load_quantized
 from nightjar.sampling import EngineError, RequestError, RequestOutput, SamplingParams
 
@@ -149,7 +150,7 @@ def plan_memory(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | Non
 def draft_block_bytes(draft: LoadedModel, block_size: int, dtype) -> int:
     """Bytes of one draft cache block: an independent draft's KV, or a head's KV plus its stored features."""
     dc = draft.config
-    if getattr(draft.model, "is_head", False):
+    if is_head(draft.model):
         return HeadCache.head_block_bytes(dc.num_kv_heads, dc.head_dim, dc.hidden_size, block_size, dtype)
     return KVCache.block_bytes_for(dc.num_layers, dc.num_kv_heads, dc.head_dim, block_size, dtype)
 
@@ -225,7 +226,7 @@ class Engine:
         self.weights.slot = slot
         self._attach_graphs(slot)
         buffers = DraftBuffers()
-        head = slot is not None and getattr(slot.model, "is_head", False)
+        head = slot is not None and is_head(slot.model)
         capture = slot.model.hc.feature_layers if head else ()
         actors = [built["admission"], self.batcher, self.planner, kv, self.weights,
                   Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed, c.synthetic_acceptance,
@@ -240,7 +241,7 @@ class Engine:
     def _attach_graphs(self, slot: DraftSlot | None) -> None:
         """CUDA graphs for the target's and the draft's short steps (models/cuda_graph.py) unless
         enforce_eager; attach_graphs leaves a model eager off CUDA or off its Triton path."""
-        head = slot is not None and getattr(slot.model, "is_head", False)
+        head = slot is not None and is_head(slot.model)
         models = [(self.target.model, self.cache)] + ([(slot.model, slot.cache)] if slot and not head else [])
         c = self.config
         for model, cache in models:
@@ -270,7 +271,7 @@ class Engine:
         if self.draft is None:
             return None
         dc, c = self.draft.config, self.config
-        if getattr(self.draft.model, "is_head", False):
+        if is_head(self.draft.model):
             cache = HeadCache(dc.num_kv_heads, dc.head_dim, dc.hidden_size, c.block_size,
                               self.memory.draft_num_blocks, self.draft.model.dtype, self.draft.model.device)
             return DraftSlot(self.draft.model, cache, self.draft.model.device)

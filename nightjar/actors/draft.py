@@ -97,13 +97,20 @@ class DraftExecutor(Actor):
         t1 = time.perf_counter()
         tokens, probs = self._propose(rows)
         t2 = time.perf_counter()
+        return self._drafted(gamma, rows, tokens, probs, t2 - t1, t1 - t0 if catch_tokens else 0.0,
+                             catch_tokens, per_row)
+
+    def _drafted(self, gamma, rows, tokens, probs, draft_s: float, catch_s: float, catch_tokens: int,
+                 gammas: tuple[int, ...]) -> StepDrafted:
+        """The step's StepDrafted: per-row tokens flattened ([num_decode * γ], -1 padded); q probs kept
+        in the buffer under the step's handle."""
+        s = self.sched
         flat = [-1] * (s.num_decode * gamma)
         for (row, _, _, _), toks in zip(rows, tokens):
             flat[row * gamma: row * gamma + len(toks)] = toks
         self.buffers.put(s.step, probs)
         return StepDrafted(step=s.step, gamma=gamma, draft_tokens=tuple(flat), handle=s.step,
-                           draft_time_s=t2 - t1, catchup_time_s=t1 - t0 if catch_tokens else 0.0,
-                           catchup_tokens=catch_tokens, gammas=per_row)
+                           draft_time_s=draft_s, catchup_time_s=catch_s, catchup_tokens=catch_tokens, gammas=gammas)
 
     def _catch_up(self, rows) -> int:
         """Prefill the draft KV of rows lagging by 2+ tokens, up to (not incl.) the last token."""

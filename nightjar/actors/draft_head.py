@@ -136,14 +136,9 @@ class HeadDraftExecutor(DraftExecutor):
         t0 = time.perf_counter()
         tokens, probs, catch = self._propose_head(rows, gamma) if rows else ([], {}, (0, 0.0))
         t1 = time.perf_counter()
-        flat = [-1] * (s.num_decode * gamma)
-        for (row, _, _, _), toks in zip(rows, tokens):
-            flat[row * gamma: row * gamma + len(toks)] = toks
-        self.buffers.put(s.step, probs)
         uniform = all(g == gamma or not sp for g, sp in zip(gams, s.speculate)) and not per_row
-        return StepDrafted(step=s.step, gamma=gamma, draft_tokens=tuple(flat), handle=s.step,
-                           draft_time_s=t1 - t0 - catch[1], catchup_time_s=catch[1], catchup_tokens=catch[0],
-                           gammas=() if uniform else tuple(gams))
+        return self._drafted(gamma, rows, tokens, probs, t1 - t0 - catch[1], catch[1], catch[0],
+                             () if uniform else tuple(gams))
 
     def _propose_head(self, rows, gamma: int):
         """γ_i head passes per row; pass 1 also catches up. Returns (tokens per row, q probs of random

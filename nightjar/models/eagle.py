@@ -78,8 +78,6 @@ class DraftHead(nn.Module):
     """The head's weights and its forward passes (inference over the paged cache; training in
     nightjar/training/eagle.py uses the same submodules densely)."""
 
-    is_head = True
-
     def __init__(self, hc: HeadConfig):
         super().__init__()
         self.hc, self.cfg = hc, hc.layer_config()
@@ -108,10 +106,6 @@ class DraftHead(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
-
-    @property
-    def layers(self) -> list:
-        return []            # no target-style decoder layers (select_kernels / graph code skip it)
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """Raw target features [T, nF*H] -> fused features g [T, H] (the head's dtype)."""
@@ -162,6 +156,7 @@ class DraftHead(nn.Module):
         return own + sum(b.numel() * b.element_size() for b in self.buffers()) + packed_bytes(self)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (any shape)."""
         return self.d2t[draft_ids]
 
 
@@ -174,6 +169,11 @@ def save_head(head: DraftHead, directory: Path, card: str | None = None) -> None
     save_file(state, str(directory / HEAD_FILE))
     if card is not None:
         (directory / "README.md").write_text(card)
+
+
+def is_head(model) -> bool:
+    """Whether a loaded draft is a DraftHead (not an independent Llama draft)."""
+    return isinstance(model, DraftHead)
 
 
 def is_head_dir(path: Path) -> bool:

@@ -30,6 +30,7 @@ from nightjar.actors.common import run_chunks
 from nightjar.actors.step_profile import Profile
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
+from nightjar.models.eagle import is_head
 from nightjar.models.llama import build_layout
 
 FULL_B, FULL_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5]
@@ -52,7 +53,7 @@ class _Bench:
 
     def forward(self, b: int, q: int, start: int | None = None) -> None:
         start = self.ctx if start is None else start
-        if getattr(self.model, "is_head", False):        # a draft head: its inputs are states, not just ids
+        if is_head(self.model):        # a draft head: its inputs are states, not just ids
             lay = build_layout([[5] * q] * b, [start] * b, self.tables[:b], self.bs, [1] * b, self.model.device)
             x = torch.zeros((b * q, self.model.hc.hidden_size), dtype=self.model.dtype, device=self.model.device)
             self.model(lay, self.cache, x, x)                                      # emb, g [b*q, H]

@@ -58,11 +58,12 @@ def test_speculative_decoding_with_the_draft_is_greedy_exact_on_smollm2(smollm2_
 
 def test_the_shipped_draft_head_loads_small_and_drafts_greedy_exact_on_smollm2(smollm2_fp32):
     from nightjar.models import DRAFTS_DIR
+    from nightjar.models.eagle import is_head
 
     head_dir = DRAFTS_DIR / "smollm2-135m-head"
     assert (head_dir / "head.safetensors").stat().st_size <= 40 * 1024 * 1024
     head = load_draft(str(head_dir), smollm2_fp32.config, "float32")
-    assert head.model.is_head and head.model.hc.draft_vocab == 8192
+    assert is_head(head.model) and head.model.hc.draft_vocab == 8192
     prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "List three primary colours."]
     ref, _ = greedy_runs((smollm2_fp32, head), "off", prompts)
     got, stats = greedy_runs((smollm2_fp32, head), "fixed:3", prompts)
