@@ -69,9 +69,12 @@ class HeadConfig:
 
     @classmethod
     def from_json(cls, text: str) -> HeadConfig:
-        d = json.loads(text)
-        d["feature_layers"] = tuple(d["feature_layers"])
-        return cls(**d)
+        try:
+            d = json.loads(text)
+            d["feature_layers"] = tuple(d["feature_layers"])
+            return cls(**d)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"not a draft head config ({type(e).__name__}: {e})") from None
 
 
 class DraftHead(nn.Module):
