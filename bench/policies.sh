@@ -2,7 +2,7 @@
 # The planner/elastic-memory benchmark (issue "Nightjar's core"): real SmolLM2 target + shipped draft,
 # bf16, a device budget where the draft is worth >= 15 % of the KV pool. Policies are compared on the
 # same arrivals, each on a fresh server, order rotated across repetitions (nightjar bench compare).
-#   bash bench/policies.sh [OUT_DIR]            (REPEATS, DURATION, LEVELS, POLICIES override; TRACE=0 skips
+#   bash bench/policies.sh [OUT_DIR]            (REPEATS, DURATION, LEVELS, POLICIES, PROFILE override; TRACE=0 skips
 #                                                the phased trace)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,12 @@ mkdir -p "$OUT"
 PY=${PYTHON:-.venv/bin/python}
 # 575 MB: target 269 MB + draft 31 MB weights + ~700 blocks of (368 KB target + 24 KB draft) KV
 MEM=${MEM:-575000000}
-SERVER="--device-memory $MEM --max-num-seqs 64 --dtype bfloat16"
+# The planner reads this machine's measured step-time profile (--planner-profile auto: measured once,
+# about 35 s, then cached); PROFILE=none runs it on the generic prior instead.
+PROFILE=${PROFILE:-auto}
+PROF_ARG=$([ "$PROFILE" = none ] || echo "--planner-profile $PROFILE")
+SERVER="--device-memory $MEM --max-num-seqs 64 --dtype bfloat16 $PROF_ARG"
+[ "$PROFILE" = auto ] && "$PY" -m nightjar generate hi --max-tokens 1 --dtype bfloat16 --planner-profile auto >/dev/null
 POLICIES=${POLICIES:-off,fixed:1,fixed:2,fixed:3,fixed:4,dsd,banditspec,nightjar-paper,nightjar,nightjar-nooffload}
 REPEATS=${REPEATS:-1}
 TRACE_SCALE=${TRACE_SCALE:-0.6}

@@ -80,3 +80,34 @@ def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_pat
     assert main(args) == 0 and main(args) == 0
     assert len(measured) == 1                                   # cached after the first start
     assert "measuring one into" in capsys.readouterr().err
+
+
+def test_isotonic_pools_violators_and_keeps_a_sorted_sequence():
+    from nightjar.offline.profile import isotonic
+
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert isotonic([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert isotonic([1.0, 4.0, 2.0, 5.0]) == [1.0, 3.0, 3.0, 5.0]
+
+
+def test_a_noisy_measured_grid_becomes_monotone_in_q_and_in_b():
+    """A grid as measured on the shared box (ms): T(1,1) > T(1,2), T(2,2) < T(2,1), T(4,3) < T(4,2)."""
+    from nightjar.offline.profile import monotone_grid
+
+    raw = [[65.1, 40.3, 56.9, 90.0], [51.6, 41.1, 42.1, 54.1], [48.9, 57.4, 50.3, 57.5], [56.0, 63.9, 81.0, 76.3]]
+    T = monotone_grid(raw)
+    for i in range(4):
+        for j in range(4):
+            assert (j == 0 or T[i][j] >= T[i][j - 1]) and (i == 0 or T[i][j] >= T[i - 1][j])
+    assert sum(map(sum, T)) == pytest.approx(sum(map(sum, raw)), rel=0.1)      # pooled, not inflated
+
+
+def test_the_quick_profile_covers_the_batch_and_draft_lengths_the_planner_reads(tiny_pair):
+    from nightjar.offline.profile import build_profile
+
+    t, d = tiny_pair
+    prof = build_profile(t.model, d.model, name="tiny", block_size=8, ctx=16, quick=True, reps=1, log=lambda s: None)
+    assert prof.B[-1] == 64 and prof.q[-1] >= 5 and prof.draft_B[-1] == 64
+    for row in prof.T:
+        assert row == sorted(row)
+    assert prof.meta["T_raw"] and prof.draft_T == sorted(prof.draft_T)

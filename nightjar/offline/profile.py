@@ -4,7 +4,10 @@
 
 Measures (lower quartile of interleaved repetitions after two warm-up passes, on a worker thread):
   T_target(B, q)  one target forward of B rows x q tokens at context ``--ctx`` (logits for all q),
-                  B in {1,2,4,8,16,32,64}, q in {1,2,3,5} ({1,2,4,8} x {1,2,3} with --quick)
+                  B in {1,2,4,8,16,32,64}, q in {1,2,3,5} (the same grid with --quick, fewer repetitions);
+                  then made non-decreasing in q and in B (isotonic regression; the raw grid is kept in
+                  meta["T_raw"]): noise on a shared CPU can make a 2-token step look cheaper than a
+                  1-token one, and the planner would chase that
   T_draft(B)      one draft forward of B rows x 1 token
   prefill         target seconds per prompt token (one 128-token chunk)
   catch-up        draft prefill cost c0 + c1·tokens
@@ -33,8 +36,9 @@ from nightjar.kvpool.cache import KVCache
 from nightjar.models.eagle import is_head
 from nightjar.models.llama import build_layout
 
-FULL_B, FULL_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5]
-QUICK_B, QUICK_Q = [1, 2, 4, 8], [1, 2, 3]
+# One grid for both modes: the planner reads T up to B = 64 and q = Γmax + 1 = 5, and a quick grid that
+# stopped at B = 8, q = 3 extrapolated a B = 64 step at 2.4x its real cost and γ = 4 at B = 4 as nearly free.
+GRID_B, GRID_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5]
 
 
 class _Bench:
@@ -70,6 +74,25 @@ def _stat(ts: list[float]) -> float:
     return ts[(len(ts) - 1) // 4]
 
 
+def isotonic(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``ys`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []                # [mean, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def monotone_grid(T: list[list[float]]) -> list[list[float]]:
+    """T[i][j] (B[i], q[j]) made non-decreasing along q, then along B. Isotonic regression preserves
+    order between inputs, so the second pass keeps the first pass's monotonicity."""
+    rows = [isotonic(r) for r in T]
+    cols = [isotonic([r[j] for r in rows]) for j in range(len(rows[0]))]
+    return [[cols[j][i] for j in range(len(cols))] for i in range(len(rows))]
+
+
 def _quartile_time(fn, reps: int) -> float:
     fn()
     fn()
@@ -93,8 +116,8 @@ def measure(target, draft, **kw) -> dict:
 @torch.inference_mode()
 def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool = False, reps: int | None = None,
              log=print) -> dict:
-    Bs, qs = (QUICK_B, QUICK_Q) if quick else (FULL_B, FULL_Q)
-    reps = reps or (5 if quick else 7)
+    Bs, qs = GRID_B, GRID_Q
+    reps = reps or (5 if quick else 9)
     tb = _Bench(target, block_size, max(Bs), ctx)
     cells = [(i, j) for i in range(len(Bs)) for j in range(len(qs))]
     samples: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
@@ -105,14 +128,15 @@ def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool
             if r >= 2:                          # passes 0-1 warm every shape up
                 samples[(i, j)].append(time.perf_counter() - t0)
         log(f"  target pass {r}/{reps}")
-    T = [[_stat(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
+    raw = [[_stat(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
+    T = monotone_grid(raw)
     pre = _quartile_time(lambda: tb.forward(1, 128, 0), reps)
-    out = {"B": Bs, "q": qs, "T": T, "ctx": ctx,
+    out = {"B": Bs, "q": qs, "T": T, "T_raw": raw, "ctx": ctx,
            "prefill_s_per_token": max(pre - T[0][0], 0.0) / 127}
     if draft is not None:
         db = _Bench(draft, block_size, max(Bs), ctx)
         out["draft_B"] = Bs
-        out["draft_T"] = [_quartile_time(lambda: db.forward(b, 1), reps) for b in Bs]
+        out["draft_T"] = isotonic([_quartile_time(lambda: db.forward(b, 1), reps) for b in Bs])
         c16 = _quartile_time(lambda: db.forward(1, 16, 0), reps)
         c128 = _quartile_time(lambda: db.forward(1, 128, 0), reps)
         out["catchup_per_token"] = max(c128 - c16, 0.0) / 112
@@ -164,20 +188,22 @@ async def _drain(agen) -> None:
 
 
 def build_profile(target, draft, *, name: str, block_size: int = 16, ctx: int = 256, quick: bool = False,
-                  num_blocks: int = 2048, draft_blocks: int = 0, overhead_s: float = 0.0, log=print) -> Profile:
-    m = measure(target, draft, block_size=block_size, ctx=ctx, quick=quick, log=log)
+                  num_blocks: int = 2048, draft_blocks: int = 0, overhead_s: float = 0.0, reps: int | None = None,
+                  log=print) -> Profile:
+    m = measure(target, draft, block_size=block_size, ctx=ctx, quick=quick, reps=reps, log=log)
     return Profile(name=name, B=m["B"], q=m["q"], T=m["T"], draft_B=m["draft_B"], draft_T=m["draft_T"],
                    prefill_s_per_token=m["prefill_s_per_token"], catchup_c0=m["catchup_c0"],
                    catchup_per_token=m["catchup_per_token"], offload_s=m["offload_s"], reload_s=m["reload_s"],
                    draft_bytes=m["draft_bytes"], num_blocks=num_blocks, block_size=block_size,
                    draft_blocks=draft_blocks, step_overhead_s=overhead_s,
-                   meta={"ctx": ctx, "step_overhead_s": overhead_s, "torch": torch.__version__,
+                   meta={"ctx": ctx, "step_overhead_s": overhead_s, "torch": torch.__version__, "T_raw": m["T_raw"],
                          "threads": torch.get_num_threads(), "quick": quick, "measured": time.time()})
 
 
-# Bumped whenever the model's kernels change what a step costs (2: fused projections, oneDNN-packed
-# CPU weights), so that a profile cached before is measured again instead of misleading the planner.
-KERNELS_VERSION = 2
+# Bumped whenever the model's kernels or the measurement change what a profile says (2: fused projections,
+# oneDNN-packed CPU weights; 3: the quick grid covers B <= 64, q <= 5 and is made monotone), so that a
+# profile cached before is measured again instead of misleading the planner.
+KERNELS_VERSION = 3
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:
@@ -225,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ctx", type=int, default=256, help="context length of the measured decode rows")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV pool size recorded for the simulator")
-    p.add_argument("--quick", action="store_true", help="small grid, 3 repetitions")
+    p.add_argument("--quick", action="store_true", help="5 repetitions instead of 9 (what --planner-profile auto runs)")
     p.add_argument("--no-engine", action="store_true", help="skip the engine step-overhead run")
     p.add_argument("--out", default="profile.json")
     return p
