@@ -38,7 +38,7 @@ from nightjar.models import LoadedModel
 from nightjar.models.cuda_graph import attach_graphs, detach_graphs
 from nightjar.models.eagle import is_head
 from nightjar.models.quant import load_quantized
-from nightjar.sampling import EngineError, RequestError, RequestOutput, SamplingParams
+from nightjar.sampling import ConfigError, EngineError, RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger("nightjar")
 
@@ -155,6 +155,17 @@ def draft_block_bytes(draft: LoadedModel, block_size: int, dtype) -> int:
     return KVCache.block_bytes_for(dc.num_layers, dc.num_kv_heads, dc.head_dim, block_size, dtype)
 
 
+def _load_or_explain(field: str, spec, load):
+    """Run ``load``; a file that exists but does not load (a truncated GGUF, a broken checkpoint or head
+    directory, a draft of another vocabulary) becomes a ConfigError naming it: one line at the edge."""
+    try:
+        return load()
+    except (ValueError, KeyError, OSError, EOFError, RuntimeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(field, f"cannot load {spec}: {type(e).__name__}: {e}") from e
+
+
 def read_planner_profile(path: str | None) -> dict | None:
     """The planner's step-time model from a ``nightjar profile`` JSON file (as the trace header records it)."""
     if path is None:
@@ -185,11 +196,12 @@ class Engine:
         c = self.config
         if self._loaded is not None:
             return self._loaded
-        target = load_quantized(c.model, c.dtype, c.device, c.quantization)
+        target = _load_or_explain("model", c.model, lambda: load_quantized(c.model, c.dtype, c.device, c.quantization))
         if c.policy == "off":
             return target, None
         dq = c.quantization if c.draft_quantization is None else c.draft_quantization
-        return target, load_quantized(c.draft, c.dtype, c.device, dq, draft_for=target.config, seed=c.seed)
+        return target, _load_or_explain("draft", c.draft, lambda: load_quantized(
+            c.draft, c.dtype, c.device, dq, draft_for=target.config, seed=c.seed))
 
     def _build(self) -> None:
         c = self.config

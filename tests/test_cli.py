@@ -1,6 +1,8 @@
 """The `nightjar serve` command line: what --help says about the API key, and the client-limit flags."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nightjar.cli import build_parser, main
@@ -89,3 +91,17 @@ def test_offline_subcommand_mistakes_exit_2_with_one_line(capsys, argv, needle):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "error" in line or needle in line]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
+
+
+def test_a_model_or_draft_that_exists_but_does_not_load_exits_2_with_one_line(capsys, tmp_path, smollm2_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)                                  # truncated: a header, no tensors
+    head = tmp_path / "head"
+    head.mkdir()                                                            # a head config without weights
+    (head / "head_config.json").write_text(
+        (Path(__file__).parent.parent / "nightjar/models/drafts/smollm2-135m-head/head_config.json").read_text())
+    for argv, flag, name in ((["--model", str(bad), "--policy", "off"], "--model", "bad.gguf"),
+                             (["--draft", str(head), "--policy", "fixed:1"], "--draft", "head")):
+        assert main(["generate", "hi", "--dtype", "float32", "--max-tokens", "2", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"argument {flag}: cannot load" in err and name in err, err
