@@ -166,6 +166,22 @@ def test_prefill_in_a_mixed_step_does_not_make_gamma_zero_look_slow():
     assert pol.snapshot()["prefill_s_per_token"] == pytest.approx(CPU.prefill_s_per_token, rel=0.3)
 
 
+def test_an_arm_not_played_in_a_bucket_starts_from_what_the_bucket_measured():
+    """As in a real closed loop at concurrency 4: the level is learned at B = 4, where steps ran 1.4x the
+    profile; the tail at B = 1 runs at the profile's times and only γ = 4 was played there. γ = 0 and 1
+    must be predicted from the bucket's own measurements, not at 1.4x, or γ = 4 is kept for good."""
+    pol = nightjar(CPU)
+    base = CPU.target_time(1, 1)
+    for _ in range(80):
+        pol.observe(timed(4, 2, 1.4 * (CPU.target_time(4, 3) + 2 * CPU.draft_time(4)), 4,
+                          accepted_per_pos=(1, 0), num_drafts=4))
+    for _ in range(12):
+        pol.observe(timed(1, 4, CPU.target_time(1, 5) + 4 * CPU.draft_time(1), 1,
+                          accepted_per_pos=(0, 0, 0, 0), num_drafts=1))
+    assert pol.predict(1, 0)[0] == pytest.approx(base, rel=0.12)             # not 1.4x: the bucket's
+    assert pol.decide(1, PlannerState(prev_gamma=4)) < 4
+
+
 def test_hysteresis_keeps_near_equal_arms_from_flapping():
     env = PlannerEnv(CPU, WEAK, noise=0.1)       # at B=1 γ=1 and γ=2 are 3 % apart
     run = run_planner(nightjar(CPU, 3), lambda t: env, lambda t: 1, 600, 3)
