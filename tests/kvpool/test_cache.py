@@ -52,3 +52,20 @@ def test_release_frees_the_bytes_and_restore_brings_the_data_back():
     assert cache.release() == host[0].numel() * 4 and cache.nbytes == 0
     cache.restore(host)
     assert torch.equal(cache.gather(0, torch.tensor([[2, 1]]))[0], before)
+
+
+def test_a_gather_over_three_segments_equals_one_contiguous_cache_for_any_table():
+    """Random tables over a grown pool read exactly what one big cache holding the same blocks reads,
+    also when the table is larger than any earlier one (the reused buffers grow)."""
+    grown, one = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32), KVCache(2, 2, 4, 4, 12, torch.float32)
+    grown.add_segment(3)
+    grown.add_segment(4)
+    filled(grown)
+    filled(one)
+    g = torch.Generator().manual_seed(1)
+    for B, nb in ((3, 4), (1, 1), (6, 7)):
+        tables = torch.randint(0, 12, (B, nb), generator=g)
+        for layer in range(2):
+            k, v = grown.gather(layer, tables)
+            k1, v1 = one.gather(layer, tables)
+            assert torch.equal(k, k1) and torch.equal(v, v1)
