@@ -23,6 +23,7 @@ class KVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         self.segments: list[Segment] = []
+        self._bufs: tuple[torch.Tensor, ...] | None = None   # multi-segment gather scratch (``_scratch``)
         if num_blocks > 0:
             self.add_segment(num_blocks)
 
@@ -116,7 +117,7 @@ class KVCache:
     def _scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Three reused [n, bs, nkv, d] buffers (grown as needed): fresh 8 MB tensors per layer cost
         more in first-touch page faults than the copies into them."""
-        bufs = getattr(self, "_bufs", None)
+        bufs = self._bufs
         if bufs is None or bufs[0].shape[0] < n:
             shape = (n, self.block_size, self.num_kv_heads, self.head_dim)
             bufs = self._bufs = tuple(torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(3))
@@ -167,6 +168,7 @@ class KVCache:
         n = self.nbytes
         for seg in self.segments:
             seg.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._bufs = None
         return n
 
     def restore(self, host: list[torch.Tensor]) -> None:
