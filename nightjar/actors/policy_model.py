@@ -311,33 +311,34 @@ class ModelNightjarPolicy(Policy):
         arms = self._ctx(bucket(b))
         return self._time(arms[g], self.base_row(b)[g])
 
-    def _bucket_prior(self, arm: _Arm | None = None) -> float:
-        """With a profile: the mean correction of the bucket ``_ctx`` last selected over the samples of
-        its arms other than ``arm``, shrunk toward 1 by ``prior_weight`` pseudo-samples. The profile's
-        shape across γ within a bucket is trusted, its level per bucket is not (in a real run B = 1 steps
-        came in at 0.7× what the level learned at B = 4 predicted): an arm not yet played starts from
-        what its bucket's other arms measured, not from the global level. Without a profile the bucket
-        level already holds it (``_renormalise``)."""
+    def _pooled(self, arms: list[_Arm]) -> tuple[float, float] | None:
+        """(Σ w, Σ s) over a bucket's arms with a profile; None without one (``_prior_of``)."""
         if self.profile is None:
+            return None
+        return sum(a.w for a in arms), sum(a.s for a in arms)
+
+    def _prior_of(self, arm: _Arm, pooled: tuple[float, float] | None) -> float:
+        """The correction an arm is shrunk toward. With a profile: the pooled correction of its bucket's
+        *other* arms, shrunk toward 1 by ``prior_weight`` pseudo-samples. The profile's shape across γ
+        within a bucket is trusted, its level per bucket is not (in a real run B = 1 steps came in at 0.7×
+        what the level learned at B = 4 predicted): an arm not yet played starts from what its bucket's
+        other arms measured, not from the global level. Without a profile the bucket level already holds
+        it (``_renormalise``)."""
+        if pooled is None:
             return 1.0
-        sw = ss = 0.0
-        for a in self._arms[self._c]:
-            if a is not arm:
-                sw += a.w
-                ss += a.s
         k = self.prior_w
-        return (k + ss) / (k + sw)
+        return (k + pooled[1] - arm.s) / (k + pooled[0] - arm.w)
 
     def _time(self, arm: _Arm, base: float) -> tuple[float, float]:
         """Correction = (k·m + Σ ratio) / (k + w): k = ``prior_weight`` pseudo-samples at the bucket's
-        correction m (``_bucket_prior``), so a young arm's first samples cannot absorb a drift the level
+        correction m (``_prior_of``), so a young arm's first samples cannot absorb a drift the level
         is still learning; its standard error falls from ``model_sd`` (no data) to the per-step noise / √w."""
         k, now = self.prior_w, self._now
         mk2, nv = self.model_var * k * k, max(self.noise2, self.noise_floor ** 2)
         lvl = self._level()
         lvl = lvl if lvl > 0.0 else (1.0 if self.profile is not None else 0.03)
         w = arm.w
-        mean = (k * self._bucket_prior(arm) + arm.s) / (k + w)
+        mean = (k * self._prior_of(arm, self._pooled(self._arms[self._c])) + arm.s) / (k + w)
         if w and arm.t != now:                    # as in _times
             w *= self.stale_discount ** (now - arm.t)
         return lvl * base * mean, math.sqrt(mk2 + nv * w) / (k + w)
@@ -348,13 +349,11 @@ class ModelNightjarPolicy(Policy):
         mk2, nv = self.model_var * k * k, max(self.noise2, self.noise_floor ** 2)
         lvl = self._level()
         lvl = lvl if lvl > 0.0 else (1.0 if self.profile is not None else 0.03)
-        pooled = self.profile is not None
-        sw, ss = (sum(a.w for a in arms), sum(a.s for a in arms)) if pooled else (0.0, 0.0)
+        pooled = self._pooled(arms)
         out = []
         for arm, base in zip(arms, bases):
             w = arm.w
-            m = (k + ss - arm.s) / (k + sw - w) if pooled else 1.0      # _bucket_prior(arm)
-            mean = (k * m + arm.s) / (k + w)
+            mean = (k * self._prior_of(arm, pooled) + arm.s) / (k + w)
             if w and arm.t != now:                # stale samples keep their mean but lose confidence
                 w *= sd ** (now - arm.t)
             out.append((lvl * base * mean, math.sqrt(mk2 + nv * w) / (k + w)))
