@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, ClassVar
 
+import msgspec
 import torch
 
 from nightjar.actors.admission import context_limit
@@ -192,6 +193,15 @@ class Engine:
         self.started = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    def _cached_profile(self) -> str:
+        """``planner_profile="auto"``, as the CLI's ``--planner-profile auto``: this machine's cached profile
+        for the model, draft, dtype and quantization, measured first (about 35 s) when there is none."""
+        from nightjar.offline.profile import cached_profile
+
+        c = self.config
+        return cached_profile(c.model, c.draft, c.dtype, c.block_size, c.device, log=log.info,
+                              quantization=c.quantization)
+
     def _load(self) -> tuple[LoadedModel, LoadedModel | None]:
         c = self.config
         if self._loaded is not None:
@@ -205,7 +215,10 @@ class Engine:
 
     def _build(self) -> None:
         c = self.config
-        check_config(c, models=self._loaded is None)
+        auto = c.planner_profile == "auto"
+        check_config(msgspec.structs.replace(c, planner_profile=None) if auto else c, models=self._loaded is None)
+        if auto:
+            self.config = c = msgspec.structs.replace(c, planner_profile=self._cached_profile())
         self._planner_profile = read_planner_profile(c.planner_profile)
         self.target, self.draft = self._load()
         self.tokenizer = self.target.tokenizer
@@ -217,13 +230,23 @@ class Engine:
                         min(c.max_model_len, tc.max_position), self.memory.num_blocks * c.block_size)
         dev, dtype = self.target.model.device, self.target.model.dtype
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks,
-                             dtype, dev)
+                             dtype, dev, reserve_blocks=self._kv_reserve(dev))
         self.clock = MonotonicClock()
         self.bus = Bus(self.clock)
         self.collector = Collector()
         self.actors = self._make_actors()
         for a in self.actors + [self.collector]:
             a.attach(self.bus)
+
+    def _kv_reserve(self, dev: torch.device) -> int:
+        """Blocks the pool may grow by when the draft is offloaded, reserved (untouched) on CPU so the grown
+        pool stays one tensor (kvpool/cache.py); none on CUDA, where the reserve would be real memory."""
+        from nightjar.actors.control import elastic_enabled
+
+        m = self.memory
+        if dev.type != "cpu" or self.draft is None or not elastic_enabled(self.config):
+            return 0
+        return m.draft_footprint // m.block_bytes
 
     def _make_actors(self) -> list[Actor]:
         """The control plane from the same factories replay and simulation use; then the model actors."""

@@ -82,6 +82,27 @@ def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_pat
     assert "measuring one into" in capsys.readouterr().err
 
 
+def test_an_embedded_engine_takes_auto_as_the_cli_does(monkeypatch, tmp_path, make_engine):
+    from nightjar.offline import profile as prof
+
+    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_main(argv):
+        measured.append(argv)
+        with open(argv[argv.index("--out") + 1], "w") as f:
+            json.dump(roofline_profile("a100", "13b").to_json(), f)
+        return 0
+    monkeypatch.setattr(prof, "main", fake_main)
+
+    async def start():
+        async with make_engine("nightjar", planner_profile="auto") as eng:
+            return eng
+    eng = asyncio.run(start())
+    assert len(measured) == 1 and eng.config.planner_profile.startswith(str(tmp_path))
+    assert eng.planner.policy.profile.name == "roofline:a100:13b"
+
+
 def test_isotonic_pools_violators_and_keeps_a_sorted_sequence():
     from nightjar.offline.profile import isotonic
 

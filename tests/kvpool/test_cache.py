@@ -69,3 +69,37 @@ def test_a_gather_over_three_segments_equals_one_contiguous_cache_for_any_table(
             k, v = grown.gather(layer, tables)
             k1, v1 = one.gather(layer, tables)
             assert torch.equal(k, k1) and torch.equal(v, v1)
+
+
+def test_a_pool_with_a_reserve_grows_in_place_and_reads_as_one_cache():
+    """Growing into the reserve makes a view of the first tensor (one-tensor reads); past the reserve a
+    separate segment; shrink, regrow (zeroed) and every read equals one contiguous cache's."""
+    grown = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32, reserve_blocks=3)
+    one = KVCache(2, 2, 4, 4, 12, torch.float32)
+    first = grown.segments[0].data
+    grown.add_segment(3)
+    storage = first.untyped_storage().data_ptr()
+    assert grown.segments[1].data.untyped_storage().data_ptr() == storage and grown.segments[0].data is first
+    grown.add_segment(4)                                                  # past the reserve
+    assert grown.segments[2].data.untyped_storage().data_ptr() != storage
+    g = torch.Generator().manual_seed(2)
+
+    def same():
+        filled(grown)
+        filled(one)
+        for B, nb in ((3, 4), (5, 6)):
+            tables = torch.randint(0, grown.num_blocks, (B, nb), generator=g)
+            for layer in range(2):
+                assert all(torch.equal(a, b) for a, b in zip(grown.gather(layer, tables), one.gather(layer, tables)))
+    same()
+    grown.drop_last_segment()
+    before, _ = grown.gather(1, torch.tensor([[7]]))
+    before = before.clone()
+    grown.migrate([(7, 1)])
+    grown.drop_last_segment()
+    assert grown.num_blocks == 5 and grown.nbytes == first.numel() * 4
+    assert torch.equal(grown.gather(1, torch.tensor([[1]]))[0], before)   # the live block moved below
+    grown.add_segment(3)
+    assert grown.segments[1].data.abs().sum() == 0                       # regrown blocks start zeroed
+    one = KVCache(2, 2, 4, 4, 8, torch.float32)
+    same()
