@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.planner_profile == "auto":
                 a.planner_profile = None         # checked first without it; the cached profile is measured below
                 check_config(EngineConfig(**engine_kwargs(a)))
-                from nightjar.offline.profile import cached_profile
+                from nightjar.profile_cache import cached_profile
                 a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size, a.device,
                                                    log=lambda s: print(s, file=sys.stderr),
                                                    quantization=a.quantization)

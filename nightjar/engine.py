@@ -196,7 +196,7 @@ class Engine:
     def _cached_profile(self) -> str:
         """``planner_profile="auto"``, as the CLI's ``--planner-profile auto``: this machine's cached profile
         for the model, draft, dtype and quantization, measured first (about 35 s) when there is none."""
-        from nightjar.offline.profile import cached_profile
+        from nightjar.profile_cache import cached_profile
 
         c = self.config
         return cached_profile(c.model, c.draft, c.dtype, c.block_size, c.device, log=log.info,

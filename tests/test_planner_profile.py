@@ -41,18 +41,18 @@ def test_a_bad_profile_file_is_a_config_error(make_engine, tmp_path):
 
 
 def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_machine(monkeypatch, tmp_path):
-    from nightjar.offline import profile as prof
+    from nightjar import profile_cache as prof
 
     monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
     runs = []
 
-    def fake_main(argv):                       # the real measurement takes about a minute
+    def fake_main(argv):                       # the real measurement takes about 35 s
         runs.append(argv)
         out = argv[argv.index("--out") + 1]
         with open(out, "w") as f:
             json.dump(roofline_profile("a100", "13b").to_json(), f)
         return 0
-    monkeypatch.setattr(prof, "main", fake_main)
+    monkeypatch.setattr(prof, "measure", fake_main)
     a = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
     b = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
     c = prof.cached_profile("smollm2-135m", "default", "float32", log=lambda s: None)
@@ -63,8 +63,8 @@ def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_mach
 
 
 def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_path, capsys, smollm2_path):
+    from nightjar import profile_cache as prof
     from nightjar.cli import main
-    from nightjar.offline import profile as prof
 
     monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
     measured = []
@@ -74,7 +74,7 @@ def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_pat
         with open(argv[argv.index("--out") + 1], "w") as f:
             json.dump(roofline_profile("a100", "13b").to_json(), f)
         return 0
-    monkeypatch.setattr(prof, "main", fake_main)
+    monkeypatch.setattr(prof, "measure", fake_main)
     args = ["generate", "hi", "--planner-profile", "auto", "--policy", "off", "--draft", "none",
             "--dtype", "float32", "--max-tokens", "2", "--json"]
     assert main(args) == 0 and main(args) == 0
@@ -83,7 +83,7 @@ def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_pat
 
 
 def test_an_embedded_engine_takes_auto_as_the_cli_does(monkeypatch, tmp_path, make_engine):
-    from nightjar.offline import profile as prof
+    from nightjar import profile_cache as prof
 
     monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
     measured = []
@@ -93,7 +93,7 @@ def test_an_embedded_engine_takes_auto_as_the_cli_does(monkeypatch, tmp_path, ma
         with open(argv[argv.index("--out") + 1], "w") as f:
             json.dump(roofline_profile("a100", "13b").to_json(), f)
         return 0
-    monkeypatch.setattr(prof, "main", fake_main)
+    monkeypatch.setattr(prof, "measure", fake_main)
 
     async def start():
         async with make_engine("nightjar", planner_profile="auto") as eng:
@@ -101,6 +101,15 @@ def test_an_embedded_engine_takes_auto_as_the_cli_does(monkeypatch, tmp_path, ma
     eng = asyncio.run(start())
     assert len(measured) == 1 and eng.config.planner_profile.startswith(str(tmp_path))
     assert eng.planner.policy.profile.name == "roofline:a100:13b"
+
+
+def test_a_failed_auto_measurement_is_a_config_error(tmp_path):
+    from nightjar.profile_cache import measure
+
+    with pytest.raises(ConfigError) as e:
+        measure(["--model", str(tmp_path / "missing.gguf"), "--draft", "none", "--quick", "--no-engine",
+                 "--out", str(tmp_path / "p.json")])
+    assert e.value.field == "planner_profile" and "exit 2" in e.value.message
 
 
 def test_isotonic_pools_violators_and_keeps_a_sorted_sequence():

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -198,45 +195,6 @@ def build_profile(target, draft, *, name: str, block_size: int = 16, ctx: int = 
                    draft_blocks=draft_blocks, step_overhead_s=overhead_s,
                    meta={"ctx": ctx, "step_overhead_s": overhead_s, "torch": torch.__version__, "T_raw": m["T_raw"],
                          "threads": torch.get_num_threads(), "quick": quick, "measured": time.time()})
-
-
-# Bumped whenever the model's kernels or the measurement change what a profile says (2: fused projections,
-# oneDNN-packed CPU weights; 3: the quick grid covers B <= 64, q <= 5 and is made monotone), so that a
-# profile cached before is measured again instead of misleading the planner.
-KERNELS_VERSION = 3
-
-
-def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:
-    """Where the planner profile of this model, draft, dtype, quantization and device on this machine is
-    cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``)."""
-    root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
-    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
-    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}"
-    key = hashlib.sha256(f"{model}|{draft}|{dtype}|{quantization}|{KERNELS_VERSION}|{machine}".encode()).hexdigest()
-    quant = "" if quantization == "none" else f"-{quantization}"
-    return root / f"{Path(str(model)).stem}-{dtype}{quant}-{key[:16]}.json"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
-def cached_profile(model: str, draft: str | None, dtype: str, block_size: int = 16, device: str = "cpu",
-                   log=print, quantization: str = "none") -> str:
-    """The cached profile's path, measured first (``--quick``, no engine run) when there is none."""
-    path = cache_path(model, draft, dtype, device, quantization)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log(f"no planner profile for {model} ({dtype}, {quantization}, {device}) on this machine: "
-            f"measuring one into {path}")
-        main(["--model", str(model), "--draft", str(draft or "none"), "--dtype", dtype, "--device", device,
-              "--quantization", quantization, "--block-size", str(block_size), "--quick", "--no-engine",
-              "--out", str(path)])
-    return str(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
