@@ -40,19 +40,27 @@ def test_a_bad_profile_file_is_a_config_error(make_engine, tmp_path):
         assert e.value.field == "planner_profile"
 
 
-def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_machine(monkeypatch, tmp_path):
-    from nightjar import profile_cache as prof
+@pytest.fixture
+def fake_measure(monkeypatch, tmp_path):
+    """``planner_profile="auto"`` with its cache in tmp_path and a stand-in for the ~35 s measurement that
+    writes the A100-13B roofline; returns the list of argv it was called with."""
+    from nightjar import profile_cache
 
     monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
     runs = []
 
-    def fake_main(argv):                       # the real measurement takes about 35 s
+    def measure(argv):
         runs.append(argv)
-        out = argv[argv.index("--out") + 1]
-        with open(out, "w") as f:
+        with open(argv[argv.index("--out") + 1], "w") as f:
             json.dump(roofline_profile("a100", "13b").to_json(), f)
-        return 0
-    monkeypatch.setattr(prof, "measure", fake_main)
+    monkeypatch.setattr(profile_cache, "measure", measure)
+    return runs
+
+
+def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_machine(fake_measure, tmp_path):
+    from nightjar import profile_cache as prof
+
+    runs = fake_measure
     a = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
     b = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None)
     c = prof.cached_profile("smollm2-135m", "default", "float32", log=lambda s: None)
@@ -62,19 +70,10 @@ def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_mach
     assert runs[2][runs[2].index("--quantization") + 1] == "int4"       # measured with the int4 kernels
 
 
-def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_path, capsys, smollm2_path):
-    from nightjar import profile_cache as prof
+def test_generate_with_an_auto_profile_measures_then_serves(fake_measure, capsys, smollm2_path):
     from nightjar.cli import main
 
-    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
-    measured = []
-
-    def fake_main(argv):
-        measured.append(argv)
-        with open(argv[argv.index("--out") + 1], "w") as f:
-            json.dump(roofline_profile("a100", "13b").to_json(), f)
-        return 0
-    monkeypatch.setattr(prof, "measure", fake_main)
+    measured = fake_measure
     args = ["generate", "hi", "--planner-profile", "auto", "--policy", "off", "--draft", "none",
             "--dtype", "float32", "--max-tokens", "2", "--json"]
     assert main(args) == 0 and main(args) == 0
@@ -82,18 +81,8 @@ def test_generate_with_an_auto_profile_measures_then_serves(monkeypatch, tmp_pat
     assert "measuring one into" in capsys.readouterr().err
 
 
-def test_an_embedded_engine_takes_auto_as_the_cli_does(monkeypatch, tmp_path, make_engine):
-    from nightjar import profile_cache as prof
-
-    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
-    measured = []
-
-    def fake_main(argv):
-        measured.append(argv)
-        with open(argv[argv.index("--out") + 1], "w") as f:
-            json.dump(roofline_profile("a100", "13b").to_json(), f)
-        return 0
-    monkeypatch.setattr(prof, "measure", fake_main)
+def test_an_embedded_engine_takes_auto_as_the_cli_does(fake_measure, tmp_path, make_engine):
+    measured = fake_measure
 
     async def start():
         async with make_engine("nightjar", planner_profile="auto") as eng:
