@@ -220,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         a.seed_sampling = a.seed
     try:
         if hasattr(a, "policy"):                 # engine flags: checked before any model loads
-            if a.planner_profile == "auto":
-                a.planner_profile = None         # checked first without it; the cached profile is measured below
+            if a.planner_profile == "auto":      # checked first: the cached profile may take ~35 s to measure
                 check_config(EngineConfig(**engine_kwargs(a)))
                 from nightjar.profile_cache import cached_profile
                 a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size, a.device,

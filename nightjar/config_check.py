@@ -70,7 +70,7 @@ def _planner_profile(c: EngineConfig) -> None:
 
     from nightjar.actors.step_profile import Profile
 
-    if c.planner_profile is None:
+    if c.planner_profile in (None, "auto"):      # "auto": resolved (and measured if need be) by the engine
         return
     try:
         with open(c.planner_profile) as f:

@@ -215,9 +215,8 @@ class Engine:
 
     def _build(self) -> None:
         c = self.config
-        auto = c.planner_profile == "auto"
-        check_config(msgspec.structs.replace(c, planner_profile=None) if auto else c, models=self._loaded is None)
-        if auto:
+        check_config(c, models=self._loaded is None)
+        if c.planner_profile == "auto":
             self.config = c = msgspec.structs.replace(c, planner_profile=self._cached_profile())
         self._planner_profile = read_planner_profile(c.planner_profile)
         self.target, self.draft = self._load()

@@ -6,8 +6,9 @@ Growing adds a segment; shrinking drops the last one (after its live blocks were
 With ``reserve_blocks`` (the engine passes the draft's footprint on CPU) the first segment is allocated
 with room to grow into, never touched until used: a grown segment is then a view of the same tensor and
 every read stays the one-tensor read (the two-pass ``_gather_segmented`` of a separate segment costs about
-2x: 29-39 ms against 14-17 ms over 30 layers of a B = 64, 160-token step). The reserve is host address space; pages of the grown blocks stay
-resident after a shrink and are reused by the next grow. On CUDA memory is real, so there is no reserve.
+2x: 29-39 ms against 14-17 ms over 30 layers of a B = 64, 160-token step). The reserve is host address
+space; pages of the grown blocks stay resident after a shrink and are reused by the next grow. On CUDA
+memory is real, so there is no reserve.
 """
 from __future__ import annotations
 
