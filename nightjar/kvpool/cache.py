@@ -33,6 +33,7 @@ class KVCache:
         self.segments: list[Segment] = []
         self._bufs: tuple[torch.Tensor, ...] | None = None   # multi-segment gather scratch (``_scratch``)
         self._store: torch.Tensor | None = None              # [L, 2, num_blocks + reserve, bs, nkv, d]
+        self._base: torch.Tensor | None = None               # every block at its global id (``_refresh``)
         if num_blocks > 0 and reserve_blocks > 0:
             self._store = torch.empty(self._shape(num_blocks + reserve_blocks), dtype=dtype, device=self.device)
         if num_blocks > 0:
@@ -68,21 +69,30 @@ class KVCache:
         else:
             seg = Segment(start, n, torch.zeros(self._shape(n), dtype=self.dtype, device=self.device))
         self.segments.append(seg)
+        self._refresh()
         return seg
 
-    def _whole(self, layer: int) -> torch.Tensor | None:
-        """[2, n, bs, nkv, d] holding every block at its global id, when the pool is one tensor."""
+    def _refresh(self) -> None:
+        """``_base``: the one tensor [L, 2, n, bs, nkv, d] holding every block at its global id (one
+        segment, or all of them in the reserve), else None; recomputed whenever the segments change."""
         segs = self.segments
         if len(segs) == 1:
-            return segs[0].data[layer]
-        if self._store is not None and all(s.in_store for s in segs):
-            return self._store[layer]
-        return None
+            self._base = segs[0].data
+        elif self._store is not None and all(s.in_store for s in segs):
+            self._base = self._store
+        else:
+            self._base = None
+
+    def _whole(self, layer: int) -> torch.Tensor | None:
+        """[2, n, bs, nkv, d] of ``_base`` for one layer, or None when the pool is several tensors."""
+        return None if self._base is None else self._base[layer]
 
     def drop_last_segment(self) -> int:
         if len(self.segments) <= 1:
             raise RuntimeError("the first KV segment cannot be dropped")
-        return self.segments.pop().num_blocks
+        n = self.segments.pop().num_blocks
+        self._refresh()
+        return n
 
     def _slot_view(self, seg: Segment, layer: int, kv: int) -> torch.Tensor:
         return seg.data[layer, kv].view(-1, self.num_kv_heads, self.head_dim)   # [n*bs, nkv, d]
@@ -202,11 +212,13 @@ class KVCache:
         for seg in self.segments:
             seg.data, seg.in_store = torch.empty(0, dtype=self.dtype, device=self.device), False
         self._bufs = self._store = None
+        self._refresh()
         return n
 
     def restore(self, host: list[torch.Tensor]) -> None:
         for seg, data in zip(self.segments, host):
             seg.data = data.to(self.device, copy=True)
+        self._refresh()
 
 
 class HeadCache(KVCache):
