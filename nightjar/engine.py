@@ -316,7 +316,14 @@ class Engine:
     async def start(self) -> "Engine":
         if self.started:
             return self
-        await asyncio.to_thread(self._build)
+        # loads, allocations and forwards all on the one compute thread (kernel/threads.py: a second
+        # thread that ever ran torch's parallel CPU work made every forward ~2x slower)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._build)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
         if self.config.synthetic_acceptance is not None:
             log.warning("SYNTHETIC ACCEPTANCE %.2f: drafts are accepted at random; outputs are NOT the target's",
                         self.config.synthetic_acceptance)
@@ -325,7 +332,6 @@ class Engine:
             from nightjar.transfer.weights import DraftTransfer
 
             self.weights.transfer = DraftTransfer(asyncio.get_running_loop(), failed=self.weights.copy_failed)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute")
         for a in self.actors + [self.collector]:
             task = asyncio.create_task(a.run(self._executor), name=f"actor:{a.name}")
             task.add_done_callback(self._on_actor_done)
@@ -377,10 +383,10 @@ class Engine:
         if self._error is None:
             self._error = EngineError("engine is shut down")
             self._fail_all(self._error)
-        self._executor.shutdown(wait=True)
-        if self.weights.transfer is not None:
+        if self.weights.transfer is not None:     # a copy in flight finishes first
             self.weights.transfer.shutdown()
-            self.weights.restore_now()
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.weights.restore_now)
+        self._executor.shutdown(wait=True)
         for loaded in (self.target, self.draft):
             if loaded is not None:
                 detach_graphs(loaded.model)      # frees the graphs' memory; the models may serve another engine

@@ -257,3 +257,49 @@ def test_a_failed_copy_leaves_the_draft_where_it_was_and_the_engine_serving(make
             await pool_settled(eng)
             assert_pool_clean(eng)
     asyncio.run(main())
+
+
+def test_torch_work_runs_on_the_compute_thread_or_on_threads_that_have_exited(make_engine, smol_tokenizer,
+                                                                              monkeypatch):
+    """kernel/threads.py: a live second thread that once ran torch's parallel CPU work makes every forward
+    ~2x slower, so the build, the forwards, the pool's grow/shrink and the weight copies of an offload
+    cycle never run on the event loop's thread, and only the compute thread is still alive afterwards."""
+    import threading
+
+    from nightjar.engine import Engine
+    from nightjar.kvpool.cache import KVCache
+    from nightjar.transfer import weights as tw
+
+    ran: dict[str, set] = {}
+
+    def spy(owner, name):
+        real = getattr(owner, name)
+
+        def wrapped(*a, **kw):
+            ran.setdefault(name, set()).add(threading.current_thread())
+            return real(*a, **kw)
+        monkeypatch.setattr(owner, name, wrapped)
+
+    for owner, name in [(Engine, "_build"), (KVCache, "add_segment"), (KVCache, "migrate"),
+                        (tw.DraftTransfer, "_offload"), (tw.DraftTransfer, "_reload")]:
+        spy(owner, name)
+    prompts = prompts_of_mixed_length(smol_tokenizer, 4)
+
+    async def cycle():
+        async with make_engine("fixed:2", num_blocks=64, block_size=8) as eng:
+            spy(eng.target.model, "forward")
+            loop_thread = threading.current_thread()
+            job = asyncio.ensure_future(run_all(eng, prompts, SamplingParams(max_tokens=24, ignore_eos=True)))
+            await wait_steps(eng, 4)
+            eng.bus.publish("test", [OffloadDraft(reason="test")])
+            await wait_for(lambda: eng.allocator.num_total > 64, what="pool growth")
+            eng.bus.publish("test", [ReloadDraft(reason="test")])
+            await wait_state(eng, "RESIDENT")
+            await job
+            compute = next(iter(ran["forward"]))
+            return loop_thread, compute
+    loop_thread, compute = asyncio.run(cycle())
+    assert set(ran) == {"_build", "add_segment", "migrate", "_offload", "_reload", "forward"}
+    assert ran["_build"] == ran["forward"] == {compute} and compute is not loop_thread
+    others = set().union(*ran.values()) - {compute}
+    assert loop_thread not in others and not any(t.is_alive() for t in others)

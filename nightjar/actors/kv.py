@@ -17,6 +17,7 @@ from nightjar.kernel.messages import (
     StepScheduled,
     TokensCommitted,
 )
+from nightjar.kernel.threads import on_fresh_thread
 from nightjar.kvpool.blocks import BlockAllocator, KVPoolError
 
 
@@ -86,14 +87,18 @@ class KVPoolActor(Actor):
                               num_free=alloc.num_free, num_total=alloc.num_total,
                               gammas=gammas if per_row and gamma else ())
 
+    def _migrate_and_drop(self, pairs) -> None:
+        self.cache.migrate(pairs)
+        self.cache.drop_last_segment()
+
     def _commit(self, msg: TokensCommitted) -> None:
         self.alloc.set_committed_rows(msg.req_ids, msg.num_computed)
 
     def _grow(self, n: int) -> PoolResized:
         """A new segment: no copy of the existing cache."""
         t0 = time.perf_counter()
-        if self.cache is not None:
-            self.cache.add_segment(n)
+        if self.cache is not None:          # a fill of up to ~100 MB: not on the loop thread (kernel/threads.py)
+            on_fresh_thread(self.cache.add_segment, n)
         self.alloc.grow(n)
         return PoolResized(num_total=self.alloc.num_total, delta=n, duration_s=time.perf_counter() - t0)
 
@@ -108,8 +113,7 @@ class KVPoolActor(Actor):
         except KVPoolError:
             return [PoolResized(num_total=self.alloc.num_total, delta=0)]       # refused: not enough room
         if self.cache is not None:
-            self.cache.migrate(pairs)
-            self.cache.drop_last_segment()
+            on_fresh_thread(self._migrate_and_drop, pairs)
         removed = self.alloc.apply_shrink(pairs)
         return [PoolResized(num_total=self.alloc.num_total, delta=-removed, migrated=len(pairs),
                             duration_s=time.perf_counter() - t0)]

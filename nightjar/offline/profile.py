@@ -28,6 +28,7 @@ import torch
 
 from nightjar.actors.common import run_chunks
 from nightjar.actors.step_profile import Profile
+from nightjar.kernel.threads import on_fresh_thread
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
 from nightjar.models.eagle import is_head
@@ -103,7 +104,9 @@ def _quartile_time(fn, reps: int) -> float:
 
 def measure(target, draft, **kw) -> dict:
     """Run the measurements on a fresh worker thread, as the engine runs its forwards (its compute
-    thread): on this box the main thread's first forwards were 50-300 ms where the worker's were 1-8 ms."""
+    thread): on this box the main thread's first forwards were 50-300 ms where the worker's were 1-8 ms.
+    Load the models on a thread that has exited by then (``main``): while another live thread has run
+    torch's parallel work, every forward here is ~2x slower (kernel/threads.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1, thread_name_prefix="nightjar-profile") as ex:
@@ -215,17 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load_pair(a: argparse.Namespace):
+    from nightjar.models.quant import load_quantized
+
+    target = load_quantized(a.model, a.dtype, a.device, a.quantization)
+    draft = (load_quantized(a.draft, a.dtype, a.device, a.quantization, draft_for=target.config)
+             if a.draft not in ("none", "") else None)
+    return target, draft
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if not Path(a.out).resolve().parent.is_dir():
         raise FileNotFoundError(f"--out {a.out}: no such directory")    # before a minute of measuring
     from nightjar.engine import Engine, plan_memory
     from nightjar.kernel.config import EngineConfig
-    from nightjar.models.quant import load_quantized
-
-    target = load_quantized(a.model, a.dtype, a.device, a.quantization)
-    draft = (load_quantized(a.draft, a.dtype, a.device, a.quantization, draft_for=target.config)
-             if a.draft not in ("none", "") else None)
+    # loaded on a thread that then exits, so the measuring thread is the only one with an OpenMP team
+    target, draft = on_fresh_thread(_load_pair, a)
     cfg = EngineConfig(model=a.model, draft=a.draft, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks,
                        quantization=a.quantization)
     mem = plan_memory(cfg, target, draft)

@@ -7,6 +7,7 @@ caller's event loop is told by ``loop.call_soon_threadsafe(done, result)``; noth
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,18 +38,32 @@ def unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 class DraftTransfer:
     def __init__(self, loop, failed: Failed | None = None) -> None:
         """``failed(kind, error, seconds)`` runs on the loop when a copy raises ("offload" or "reload");
-        without it the error goes to the loop's exception handler. Either way it is never lost."""
+        without it the error goes to the loop's exception handler. Either way it is never lost.
+        With CUDA the copies run on a worker thread and a side stream. On CPU each copy runs on a thread
+        that exits when it is done: a live thread that once ran torch's parallel CPU work would slow every
+        later forward of the compute thread ~2x (kernel/threads.py)."""
         self.loop, self.failed = loop, failed
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="nightjar-transfer")
         self.cuda = torch.cuda.is_available()
         self.stream = torch.cuda.Stream() if self.cuda else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="nightjar-transfer") if self.cuda else None
+        self.threads: list[threading.Thread] = []
 
     def offload(self, slot, done: Callable[[HostCopy, float], None]) -> None:
         """Copy the draft's weights and KV to host; ``done(host, seconds)`` runs on the loop."""
-        self.pool.submit(self._run, "offload", self._offload, (slot,), done)
+        self._submit("offload", self._offload, (slot,), done)
 
     def reload(self, slot, host: HostCopy, done: Callable[[int, float], None]) -> None:
-        self.pool.submit(self._run, "reload", self._reload, (slot, host), done)
+        self._submit("reload", self._reload, (slot, host), done)
+
+    def _submit(self, kind: str, fn, args, done) -> None:
+        if self.pool is not None:
+            self.pool.submit(self._run, kind, fn, args, done)
+            return
+        self.threads = [t for t in self.threads if t.is_alive()]
+        t = threading.Thread(target=self._run, args=(kind, fn, args, done), name=f"nightjar-transfer-{kind}",
+                             daemon=True)
+        self.threads.append(t)
+        t.start()
 
     def _run(self, kind: str, fn, args, done) -> None:
         t0 = time.perf_counter()
@@ -93,7 +108,11 @@ class DraftTransfer:
         return host.nbytes
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Wait for the copies in flight."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        for t in self.threads:
+            t.join()
 
 
 def release_draft(slot) -> int:

@@ -111,10 +111,12 @@ async def test_the_host_copy_does_not_alias_the_draft_s_tensors():
 async def test_done_callbacks_run_on_the_loop_thread_and_the_copies_on_the_transfer_worker(monkeypatch):
     slot = make_slot()
     copy_threads: list[str] = []
+    threads: list[threading.Thread] = []
 
     def watched(fn):
         def run(*args):
             copy_threads.append(threading.current_thread().name)
+            threads.append(threading.current_thread())
             return fn(*args)
         return run
 
@@ -130,6 +132,8 @@ async def test_done_callbacks_run_on_the_loop_thread_and_the_copies_on_the_trans
         tr.shutdown()
     assert t_off == loop_thread and t_re == loop_thread
     assert len(copy_threads) == 2 and all(n.startswith("nightjar-transfer") for n in copy_threads)
+    if not torch.cuda.is_available():        # CPU copies: one thread per copy, gone afterwards (kernel/threads.py)
+        assert threads[0] is not threads[1] and not any(t.is_alive() for t in threads)
 
 
 def test_release_draft_frees_every_weight_and_kv_tensor_and_reports_their_bytes():
