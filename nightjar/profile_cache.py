@@ -19,9 +19,10 @@ import torch
 from nightjar.sampling import ConfigError
 
 # Bumped whenever the model's kernels or the measurement change what a profile says (2: fused projections,
-# oneDNN-packed CPU weights; 3: the quick grid covers B <= 64, q <= 5 and is made monotone), so that a
-# profile cached before is measured again instead of misleading the planner.
-KERNELS_VERSION = 3
+# oneDNN-packed CPU weights; 3: the quick grid covers B <= 64, q <= 5 and is made monotone; 4: measured with
+# no other live thread holding an OpenMP team, which had made small-B steps ~2x slower, see kernel/threads.py),
+# so that a profile cached before is measured again instead of misleading the planner.
+KERNELS_VERSION = 4
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:
