@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from nightjar.kernel.threads import on_fresh_thread
 from nightjar.models import LlamaModel, LoadedModel
 from nightjar.models.config import ModelConfig
 
@@ -70,8 +71,9 @@ def main(argv=None) -> int:
     dtype = "bfloat16"
     if a.small or device == "cpu":
         a.target, a.draft, a.batches = "small-target", "small-draft", "1,4"
-    target = LoadedModel(random_model(a.target, device, torch.bfloat16, 0), None, f"random-{a.target}")
-    draft = LoadedModel(random_model(a.draft, device, torch.bfloat16, 1), None, f"random-{a.draft}")
+    # built on threads that exit, so the engine's compute thread is alone (kernel/threads.py)
+    target = LoadedModel(on_fresh_thread(random_model, a.target, device, torch.bfloat16, 0), None, f"random-{a.target}")
+    draft = LoadedModel(on_fresh_thread(random_model, a.draft, device, torch.bfloat16, 1), None, f"random-{a.draft}")
     print(f"# SYNTHETIC acceptance {a.acceptance} (drafts accepted at random; not the target's outputs)")
     print(f"# target {a.target} ({target.model.weight_bytes() / 1e9:.2f} GB), draft {a.draft} "
           f"({draft.model.weight_bytes() / 1e9:.2f} GB) on {device}, {a.tokens} tokens per request")

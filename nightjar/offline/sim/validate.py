@@ -120,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     from nightjar.engine import Engine
+    from nightjar.kernel.threads import on_fresh_thread
     from nightjar.models import load_draft, load_model
 
     prof = Profile.load(a.profile)
-    target = load_model(a.model, a.dtype)
-    draft = load_draft(a.draft, target.config, a.dtype)
+    # loaded on a thread that exits, so the engine's compute thread is alone (kernel/threads.py), as in serving
+    target = on_fresh_thread(load_model, a.model, a.dtype)
+    draft = on_fresh_thread(load_draft, a.draft, target.config, a.dtype)
     wl = phased_workload([tuple(x) for x in json.loads(a.phases)], a.seed, a.prompt_len, a.output_len)
 
     def make(**kw):
