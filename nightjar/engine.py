@@ -331,7 +331,8 @@ class Engine:
         if self.weights.slot is not None:
             from nightjar.transfer.weights import DraftTransfer
 
-            self.weights.transfer = DraftTransfer(asyncio.get_running_loop(), failed=self.weights.copy_failed)
+            self.weights.transfer = DraftTransfer(asyncio.get_running_loop(), failed=self.weights.copy_failed,
+                                                  device=self.weights.slot.device)
         for a in self.actors + [self.collector]:
             task = asyncio.create_task(a.run(self._executor), name=f"actor:{a.name}")
             task.add_done_callback(self._on_actor_done)

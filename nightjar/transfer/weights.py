@@ -36,14 +36,15 @@ def unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 class DraftTransfer:
-    def __init__(self, loop, failed: Failed | None = None) -> None:
+    def __init__(self, loop, failed: Failed | None = None, device=None) -> None:
         """``failed(kind, error, seconds)`` runs on the loop when a copy raises ("offload" or "reload");
         without it the error goes to the loop's exception handler. Either way it is never lost.
         With CUDA the copies run on a worker thread and a side stream. On CPU each copy runs on a thread
         that exits when it is done: a live thread that once ran torch's parallel CPU work would slow every
-        later forward of the compute thread ~2x (kernel/threads.py)."""
+        later forward of the compute thread ~2x (kernel/threads.py). ``device``: the draft's (default: CUDA
+        when there is one), so that a CPU engine on a machine with a GPU copies as on CPU."""
         self.loop, self.failed = loop, failed
-        self.cuda = torch.cuda.is_available()
+        self.cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="nightjar-transfer") if self.cuda else None
         self.threads: list[threading.Thread] = []

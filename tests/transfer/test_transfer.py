@@ -108,6 +108,14 @@ async def test_the_host_copy_does_not_alias_the_draft_s_tensors():
     assert torch.equal(slot.cache.segments[0].data, kv[0])
 
 
+async def test_a_cpu_draft_on_a_machine_with_a_gpu_takes_the_cpu_copy_path(monkeypatch):
+    """The copy path follows the draft's device, not whether the machine has CUDA (a CUDA stream wait on
+    CPU tensors raises). Only the choice is checked here: this build has no CUDA to copy with."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tr = DraftTransfer(asyncio.get_running_loop(), device=torch.device("cpu"))
+    assert not tr.cuda and tr.stream is None and tr.pool is None
+
+
 async def test_done_callbacks_run_on_the_loop_thread_and_the_copies_on_the_transfer_worker(monkeypatch):
     slot = make_slot()
     copy_threads: list[str] = []
