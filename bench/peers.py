@@ -22,6 +22,9 @@ stream and at a concurrency of 16, greedy, printing output tok/s side by side.
 * **nightjar**: ``Engine(policy=P, ...)`` per policy; single stream = sequential ``generate``; concurrency =
   ``--concurrency`` requests in flight (continuous batching). Tokens = output token ids.
 
+Each backend, and each Nightjar entry, runs in a process of its own (spawned, one at a time): in one process the
+second backend's forwards would run ~2x slower (see ``in_own_process``).
+
 Every backend gets the same prompts (``nightjar.bench.datasets``, chat template applied) and the same
 ``max_tokens``; EOS ends a generation (use ``--ignore-eos`` for fixed lengths where the backend supports it:
 transformers via ``min_new_tokens``, Nightjar via ``ignore_eos``; llama.cpp has no such switch and is marked).
@@ -31,10 +34,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -144,35 +149,45 @@ def run_nightjar(prompts, max_tokens, concurrency, ignore_eos, policy, server_ar
     return asyncio.run(main())
 
 
-def backend_runners(a, prompts) -> list[tuple[str, object]]:
-    """(row name, zero-argument runner) per backend and Nightjar entry (POLICY or POLICY@FLAGS)."""
+def backend_runners(a, prompts) -> list[tuple[str, object, tuple]]:
+    """(row name, module-level runner, its arguments) per backend and Nightjar entry (POLICY or POLICY@FLAGS)."""
     from nightjar.bench.compare import split_variant
 
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     out = []
     if "transformers" in backends:
-        out.append(("transformers", lambda: run_transformers(prompts, a.output_len, a.concurrency, a.ignore_eos,
-                                                             a.threads)))
+        out.append(("transformers", run_transformers, (prompts, a.output_len, a.concurrency, a.ignore_eos, a.threads)))
     if "llama.cpp" in backends:
-        out.append(("llama.cpp", lambda: run_llamacpp(prompts, a.output_len, a.threads)))
+        out.append(("llama.cpp", run_llamacpp, (prompts, a.output_len, a.threads)))
     if "nightjar" in backends:
         for entry in [p.strip() for p in a.policies.split(",") if p.strip()]:
             pol, extra = split_variant(entry)
             flags = f"{a.server_args} {extra}".strip()
-            out.append((f"nightjar {entry}", lambda pol=pol, flags=flags: run_nightjar(
-                prompts, a.output_len, a.concurrency, a.ignore_eos, pol, flags)))
+            out.append((f"nightjar {entry}", run_nightjar,
+                        (prompts, a.output_len, a.concurrency, a.ignore_eos, pol, flags)))
     return out
 
 
-def run_rounds(runners, repeats: int) -> dict[str, list[dict]]:
-    """Every runner once per round, the order rotated each round (a noisy box slows them alike)."""
-    rows: dict[str, list[dict]] = {name: [] for name, _ in runners}
+def in_own_process(fn, args) -> dict:
+    """``fn(*args)`` in a fresh (spawned) process. Backends never share one: torch's OpenMP runtime keeps a
+    thread team per OS thread that ever ran parallel work, and once two teams exist on a small box every
+    forward of both runs ~2x slower (nightjar/kernel/threads.py), so a backend run after another in the same
+    process would be measured throttled."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def run_rounds(runners, repeats: int, run=in_own_process) -> dict[str, list[dict]]:
+    """Every runner once per round, each in its own process, the order rotated each round (a noisy box
+    slows them alike)."""
+    rows: dict[str, list[dict]] = {name: [] for name, _, _ in runners}
     for r in range(repeats):
         k = r % len(runners)
-        for name, fn in runners[len(runners) - k:] + runners[:len(runners) - k]:
+        for name, fn, args in runners[len(runners) - k:] + runners[:len(runners) - k]:
             print(f"round {r + 1}/{repeats}: {name} ...", file=sys.stderr)
             try:
-                rows[name].append(fn())
+                rows[name].append(run(fn, args))
             except Exception as e:
                 rows[name].append({"status": f"failed: {type(e).__name__}: {e}"})
     return rows
