@@ -38,6 +38,7 @@ from nightjar.kvpool.cache import HeadCache, KVCache
 from nightjar.models import LoadedModel
 from nightjar.models.cuda_graph import attach_graphs, detach_graphs
 from nightjar.models.eagle import is_head
+from nightjar.models.llama import kv_head_major
 from nightjar.models.quant import load_quantized
 from nightjar.sampling import ConfigError, EngineError, RequestError, RequestOutput, SamplingParams
 
@@ -229,7 +230,7 @@ class Engine:
                         min(c.max_model_len, tc.max_position), self.memory.num_blocks * c.block_size)
         dev, dtype = self.target.model.device, self.target.model.dtype
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks,
-                             dtype, dev, reserve_blocks=self._kv_reserve(dev))
+                             dtype, dev, reserve_blocks=self._kv_reserve(dev), head_major=kv_head_major(self.target.model))
         self.clock = MonotonicClock()
         self.bus = Bus(self.clock)
         self.collector = Collector()
@@ -307,10 +308,11 @@ class Engine:
         dc, c = self.draft.config, self.config
         if is_head(self.draft.model):
             cache = HeadCache(dc.num_kv_heads, dc.head_dim, dc.hidden_size, c.block_size,
-                              self.memory.draft_num_blocks, self.draft.model.dtype, self.draft.model.device)
+                              self.memory.draft_num_blocks, self.draft.model.dtype, self.draft.model.device,
+                              head_major=kv_head_major(self.draft.model))
             return DraftSlot(self.draft.model, cache, self.draft.model.device)
         cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, c.block_size, self.memory.draft_num_blocks,
-                        self.draft.model.dtype, self.draft.model.device)
+                        self.draft.model.dtype, self.draft.model.device, head_major=kv_head_major(self.draft.model))
         return DraftSlot(self.draft.model, cache, self.draft.model.device)
 
     async def start(self) -> "Engine":

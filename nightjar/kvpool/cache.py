@@ -1,6 +1,9 @@
 """KV cache tensors, made of segments so the pool can grow and shrink without copying the cache.
 
-A segment holds blocks ``[start, start + n)`` for every layer: one tensor ``[L, 2, n, bs, nkv, d]``.
+A segment holds blocks ``[start, start + n)`` for every layer: one tensor ``[L, 2, nkv, n, bs, d]`` on CPU
+(*head-major*: a KV head's blocks are contiguous, so a gather yields ``[nkv, B, K, d]`` and attention runs
+plain batched matmuls on it, 1.3-1.8x faster per layer than on ``[B, K, nkv, d]`` at B = 16-64, bf16), and
+``[L, 2, n, bs, nkv, d]`` on CUDA (block-major: the layout the Triton kernels and CUDA graphs read).
 Growing adds a segment; shrinking drops the last one (after its live blocks were migrated below).
 
 With ``reserve_blocks`` (the engine passes the draft's footprint on CPU) the first segment is allocated
@@ -21,18 +24,23 @@ import torch
 class Segment:
     start: int
     num_blocks: int
-    data: torch.Tensor   # [L, 2, n, bs, nkv, d]
+    data: torch.Tensor   # [L, 2, nkv, n, bs, d] head-major (CPU), [L, 2, n, bs, nkv, d] block-major (CUDA)
     in_store: bool = False   # a view of KVCache._store (blocks at their global ids)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu", reserve_blocks: int = 0):
+                 num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu", reserve_blocks: int = 0,
+                 head_major: bool | None = None):
+        """``head_major``: the layout (module docstring); default head-major on CPU, block-major elsewhere.
+        A model on the Triton path needs block-major (``nightjar.models.llama.kv_head_major``)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        self.head_major = self.device.type == "cpu" if head_major is None else bool(head_major)
+        self._bdim = 3 if self.head_major else 2             # the block dimension of a segment's tensor
         self.segments: list[Segment] = []
-        self._bufs: tuple[torch.Tensor, ...] | None = None   # multi-segment gather scratch (``_scratch``)
-        self._store: torch.Tensor | None = None              # [L, 2, num_blocks + reserve, bs, nkv, d]
+        self._bufs: tuple[torch.Tensor, ...] | None = None   # gather scratch (``_scratch``)
+        self._store: torch.Tensor | None = None              # _shape(num_blocks + reserve)
         self._base: torch.Tensor | None = None               # every block at its global id (``_refresh``)
         if num_blocks > 0 and reserve_blocks > 0:
             self._store = torch.empty(self._shape(num_blocks + reserve_blocks), dtype=dtype, device=self.device)
@@ -59,13 +67,14 @@ class KVCache:
         return sum(s.data.numel() * s.data.element_size() for s in self.segments)
 
     def _shape(self, n: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, n, self.block_size, self.num_kv_heads, self.head_dim)
+        L, bs, nkv, d = self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
+        return (L, 2, nkv, n, bs, d) if self.head_major else (L, 2, n, bs, nkv, d)
 
     def add_segment(self, n: int) -> Segment:
         """Blocks [num_blocks, num_blocks + n), zeroed: a view of the reserve while it has room."""
         start, st = self.num_blocks, self._store
-        if st is not None and start + n <= st.shape[2] and all(s.in_store for s in self.segments):
-            seg = Segment(start, n, st[:, :, start:start + n].zero_(), in_store=True)
+        if st is not None and start + n <= st.shape[self._bdim] and all(s.in_store for s in self.segments):
+            seg = Segment(start, n, st.narrow(self._bdim, start, n).zero_(), in_store=True)
         else:
             seg = Segment(start, n, torch.zeros(self._shape(n), dtype=self.dtype, device=self.device))
         self.segments.append(seg)
@@ -84,7 +93,8 @@ class KVCache:
             self._base = None
 
     def _whole(self, layer: int) -> torch.Tensor | None:
-        """[2, n, bs, nkv, d] of ``_base`` for one layer, or None when the pool is several tensors."""
+        """``_base`` of one layer ([2, nkv, n, bs, d] or [2, n, bs, nkv, d]), or None when the pool is
+        several tensors."""
         return None if self._base is None else self._base[layer]
 
     def drop_last_segment(self) -> int:
@@ -94,15 +104,23 @@ class KVCache:
         self._refresh()
         return n
 
-    def _slot_view(self, seg: Segment, layer: int, kv: int) -> torch.Tensor:
-        return seg.data[layer, kv].view(-1, self.num_kv_heads, self.head_dim)   # [n*bs, nkv, d]
+    def _slot_view(self, data: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+        """One layer's K or V by slot: [nkv, n*bs, d] head-major, [n*bs, nkv, d] block-major."""
+        nkv, d = self.num_kv_heads, self.head_dim
+        return data[layer, kv].view(nkv, -1, d) if self.head_major else data[layer, kv].view(-1, nkv, d)
+
+    def _put(self, data: torch.Tensor, layer: int, kv: int, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x [T, nkv, d] into ``slots`` [T] of one segment-shaped tensor."""
+        if self.head_major:
+            self._slot_view(data, layer, kv).index_copy_(1, slots, x.transpose(0, 1))
+        else:
+            self._slot_view(data, layer, kv).index_copy_(0, slots, x)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v [T, nkv, d] into global slots [T]."""
-        whole = self._whole(layer)
-        if whole is not None:
-            whole[0].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-            whole[1].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if self._base is not None:
+            self._put(self._base, layer, 0, slots, k)
+            self._put(self._base, layer, 1, slots, v)
             return
         bs = self.block_size
         for seg in self.segments:
@@ -110,34 +128,49 @@ class KVCache:
             sel = ((slots >= lo) & (slots < hi)).nonzero().squeeze(1)           # [t]
             if sel.numel():
                 local = slots[sel] - lo
-                self._slot_view(seg, layer, 0).index_copy_(0, local, k[sel])
-                self._slot_view(seg, layer, 1).index_copy_(0, local, v[sel])
+                self._put(seg.data, layer, 0, local, k[sel])
+                self._put(seg.data, layer, 1, local, v[sel])
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read blocks [B, nb] -> k, v [B, nb*bs, nkv, d]. On CPU (and with more than one segment) they are
-        views of buffers the next ``gather`` on this cache overwrites: use them (or clone) before gathering
-        again."""
+        """Read blocks [B, nb] -> k, v [B, nb*bs, nkv, d] (views of ``gather_heads``' buffers when
+        head-major). On CPU (and with more than one segment) they are views of buffers the next gather on
+        this cache overwrites: use them (or clone) before gathering again."""
+        if self.head_major:
+            k, v = self.gather_heads(layer, block_tables)                        # [nkv, B, nb*bs, d]
+            return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
         B, nb = block_tables.shape
         d = self._whole(layer)                                                  # [2, n, bs, nkv, d]
         if d is not None:
             flat = block_tables.reshape(-1)                                     # [B*nb]
-            # index_select copies whole blocks: 2.4-2.8x faster than advanced indexing here (bf16, CPU)
-            if self.device.type == "cpu":         # into reused buffers: fresh multi-MB outputs page-fault
-                _, k, v = self._scratch(flat.numel())                           # [B*nb, bs, nkv, d] each
-                torch.index_select(d[0], 0, flat, out=k)
-                torch.index_select(d[1], 0, flat, out=v)
-            else:
-                k, v = d[0].index_select(0, flat), d[1].index_select(0, flat)
+            k, v = d[0].index_select(0, flat), d[1].index_select(0, flat)
         else:
             k, v = self._gather_segmented(layer, block_tables)
         shape = (B, nb * self.block_size, self.num_kv_heads, self.head_dim)
         return k.reshape(shape), v.reshape(shape)
 
+    def gather_heads(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head-major caches: blocks [B, nb] -> k, v [nkv, B, nb*bs, d], contiguous, in reused buffers
+        (index_select copies whole blocks of one head: 2.4-2.8x faster than advanced indexing; fresh
+        multi-MB outputs would page-fault on every layer)."""
+        B, nb = block_tables.shape
+        flat = block_tables.reshape(-1)                                         # [B*nb]
+        d = self._whole(layer)                                                  # [2, nkv, n, bs, d]
+        if d is not None:
+            _, k, v = self._scratch(flat.numel())                               # [nkv, B*nb, bs, d] each
+            for h in range(self.num_kv_heads):
+                torch.index_select(d[0, h], 0, flat, out=k[h])
+                torch.index_select(d[1, h], 0, flat, out=v[h])
+        else:
+            k, v = self._gather_segmented(layer, block_tables)
+        shape = (self.num_kv_heads, B, nb * self.block_size, self.head_dim)
+        return k.view(shape), v.view(shape)
+
     def _gather_segmented(self, layer: int, tables: torch.Tensor):
         """Blocks from several segments in two passes: each segment's blocks index_selected straight into
         a scratch buffer in segment order, then put back in table order by one more index_select into
         reused K/V buffers (the boolean-mask gather this replaces took 8x the single-segment read and
-        made a B = 64 step 1.4x slower once the pool had grown by a segment; this takes about 2x)."""
+        made a B = 64 step 1.4x slower once the pool had grown by a segment; this takes about 2x).
+        Returns [B*nb, bs, nkv, d] each (block-major) or [nkv, B*nb, bs, d] (head-major)."""
         flat = tables.reshape(-1)                                               # [N] = [B*nb]
         picks, slots = [], []                                                   # segments holding any
         for seg in self.segments:
@@ -148,23 +181,28 @@ class KVCache:
         order = torch.cat(slots)                                                # [N]: table slot of pick j
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)           # table slot -> pick j
-        buf, k, v = self._scratch(order.numel())                                # [N, bs, nkv, d] each
+        buf, k, v = self._scratch(order.numel())
+        heads = range(self.num_kv_heads) if self.head_major else (None,)
         for kv, out in ((0, k), (1, v)):
-            o = 0
-            for seg, ids in picks:
-                torch.index_select(seg.data[layer, kv], 0, ids, out=buf[o: o + ids.numel()])
-                o += ids.numel()
-            torch.index_select(buf, 0, inv, out=out)
+            for h in heads:
+                o, b_h, out_h = 0, (buf if h is None else buf[h]), (out if h is None else out[h])
+                for seg, ids in picks:
+                    src = seg.data[layer, kv] if h is None else seg.data[layer, kv, h]   # [n, bs, (nkv,) d]
+                    torch.index_select(src, 0, ids, out=b_h[o: o + ids.numel()])
+                    o += ids.numel()
+                torch.index_select(b_h, 0, inv, out=out_h)
         return k, v
 
     def _scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Three reused [n, bs, nkv, d] buffers (grown as needed): fresh 8 MB tensors per layer cost
-        more in first-touch page faults than the copies into them."""
-        bufs = self._bufs
-        if bufs is None or bufs[0].shape[0] < n:
-            shape = (n, self.block_size, self.num_kv_heads, self.head_dim)
-            bufs = self._bufs = tuple(torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(3))
-        return bufs[0][:n], bufs[1][:n], bufs[2][:n]
+        """Three contiguous buffers of n blocks ([nkv, n, bs, d] head-major, [n, bs, nkv, d] block-major),
+        carved from reused flat storage grown as needed: fresh 8 MB tensors per layer cost more in
+        first-touch page faults than the copies into them."""
+        bs, nkv, d = self.block_size, self.num_kv_heads, self.head_dim
+        size = n * bs * nkv * d
+        if self._bufs is None or self._bufs[0].numel() < size:
+            self._bufs = tuple(torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(3))
+        shape = (nkv, n, bs, d) if self.head_major else (n, bs, nkv, d)
+        return tuple(b[:size].view(shape) for b in self._bufs)
 
     def _locate(self, block: int) -> tuple[int, int]:
         """(segment index, local block id) of a global block id."""
@@ -194,8 +232,8 @@ class KVCache:
                 continue
             src_idx = torch.tensor(srcs, device=self.device)
             dst_idx = torch.tensor(dsts, device=self.device)
-            moved = self.segments[si].data.index_select(2, src_idx)               # [L, 2, P, bs, nkv, d]
-            self.segments[di].data.index_copy_(2, dst_idx, moved)
+            moved = self.segments[si].data.index_select(self._bdim, src_idx)     # the P moved blocks
+            self.segments[di].data.index_copy_(self._bdim, dst_idx, moved)
 
     def _triton(self) -> bool:
         from nightjar.triton_kernels import use_triton
@@ -227,10 +265,10 @@ class HeadCache(KVCache):
     releases and restores both; the draft executor owns which positions hold what."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, feat_dim: int, block_size: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", head_major: bool | None = None):
         self.feat_dim = feat_dim
         self.feats: list[torch.Tensor] = []            # per segment [n, bs, H]
-        super().__init__(1, num_kv_heads, head_dim, block_size, num_blocks, dtype, device)
+        super().__init__(1, num_kv_heads, head_dim, block_size, num_blocks, dtype, device, head_major=head_major)
 
     @staticmethod
     def head_block_bytes(num_kv_heads: int, head_dim: int, feat_dim: int, block_size: int,

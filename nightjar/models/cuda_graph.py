@@ -181,9 +181,10 @@ class GraphRunner:
 
     # ---- validity --------------------------------------------------------------------------------
     def _signature(self) -> tuple | None:
-        """What the graphs depend on, or None when the Triton path (the only capturable one) is off."""
+        """What the graphs depend on, or None when the Triton path (the only capturable one) is off or the
+        cache is not in the kernels' block-major layout."""
         segs = self.cache.segments
-        if len(segs) != 1 or not self.model.layers[0].self_attn.use_kernels:
+        if len(segs) != 1 or not self.model.layers[0].self_attn.use_kernels or self.cache.head_major:
             return None
         return weights_version(self.model), segs[0].data.data_ptr()
 

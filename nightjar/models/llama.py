@@ -42,6 +42,18 @@ class AttnGroup:
             self._masks[gq] = m
         return m
 
+    def blocked_padded(self, gq: int, kp: int) -> torch.Tensor:
+        """``blocked(gq)`` as [1, b, Q*gq, kp], positions K..kp-1 (the rest of the last block) blocked
+        too: head-major attention reads whole blocks, as a slice of them would cost a copy per matmul."""
+        m = self._masks.get((gq, kp))
+        if m is None:
+            m = self.blocked(gq).transpose(0, 1)                                # [1, b, Q*gq, K]
+            pad = kp - m.shape[-1]
+            if pad > 0:
+                m = torch.cat((m, m.new_ones(*m.shape[:-1], pad)), dim=-1)
+            self._masks[(gq, kp)] = m
+        return m
+
 
 @dataclass
 class BatchLayout:
@@ -206,7 +218,7 @@ class Attention(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]                                           # [T, nh, d], [T, nkv, d]
         v = v.reshape(T, nkv, d)                                                # [T, nkv, d]
         scale = 1.0 / math.sqrt(c.head_dim)
-        if self.use_kernels and len(cache.segments) == 1:
+        if self.use_kernels and len(cache.segments) == 1 and not cache.head_major:
             out = self._kernel_attention(q, k, v, lay, cache, scale)
         else:
             cache.write(self.layer, k, v, lay.slot_mapping)
@@ -222,6 +234,13 @@ class Attention(nn.Module):
         kv_store_triton(k, v, data[0], data[1], lay.slot_mapping)
         return paged_attention_triton(q, data[0], data[1], lay.block_tables, lay.query_start_loc,
                                       lay.seq_lens, scale)
+
+
+def kv_head_major(model) -> bool:
+    """The KV layout ``model``'s attention should read (kvpool/cache.py): head-major for the torch path on
+    CPU; block-major for the Triton kernels (CUDA, or forced under the interpreter in tests) and on CUDA."""
+    attn = model.self_attn if hasattr(model, "self_attn") else model.layers[0].self_attn
+    return model.device.type == "cpu" and not attn.use_kernels
 
 
 def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale: float) -> torch.Tensor:
@@ -243,20 +262,44 @@ def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> t
     B, Q = g.q_index.shape
     K = g.attn_mask.shape[-1]
     T, nh, d = q.shape
-    kc, vc = cache.gather(layer, g.block_tables[:, : -(-K // cache.block_size)])   # [B, nb*bs, nkv, d]
-    nkv = kc.shape[2]
-    gq = nh // nkv
     if g.dense:
         qp = q.view(B, Q, nh, d)                                  # [B, Q, nh, d]: no padding to add
     else:
         qp = torch.cat((q, q.new_zeros(1, nh, d)))[g.q_index]     # [B, Q, nh, d]
+    tables = g.block_tables[:, : -(-K // cache.block_size)]
+    if cache.head_major:
+        out = _attend_head_major(qp, cache, layer, tables, g, K, scale)
+    else:
+        out = _attend_block_major(qp, cache, layer, tables, g, K, scale)
+    return out if g.dense else out[g.flat_index]
+
+
+def _attend_head_major(qp, cache, layer: int, tables, g: AttnGroup, K: int, scale: float) -> torch.Tensor:
+    """qp [B, Q, nh, d] over a head-major cache: batch dims (kv head, row), contiguous K and V of whole blocks
+    (Kp = nb*bs >= K positions, the tail masked) -> [B*Q, nh, d]."""
+    B, Q, nh, d = qp.shape
+    kh, vh = cache.gather_heads(layer, tables)                    # [nkv, B, nb*bs, d] each
+    nkv = kh.shape[0]
+    gq = nh // nkv
+    qh = qp.view(B, Q, nkv, gq, d).permute(2, 0, 1, 3, 4).reshape(nkv, B, Q * gq, d)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale      # [nkv, B, Q*g, Kp]: whole blocks
+    probs = scores.masked_fill_(g.blocked_padded(gq, kh.shape[2]), float("-inf")).softmax(-1).to(qp.dtype)
+    out = torch.matmul(probs, vh)                                 # [nkv, B, Q*g, d]
+    return out.view(nkv, B, Q, gq, d).permute(1, 2, 0, 3, 4).reshape(B * Q, nh, d)
+
+
+def _attend_block_major(qp, cache, layer: int, tables, g: AttnGroup, K: int, scale: float) -> torch.Tensor:
+    """qp [B, Q, nh, d] over a block-major cache (CUDA eager) -> [B*Q, nh, d]."""
+    B, Q, nh, d = qp.shape
+    kc, vc = cache.gather(layer, tables)                          # [B, nb*bs, nkv, d]
+    nkv = kc.shape[2]
+    gq = nh // nkv
     qg = qp.view(B, Q, nkv, gq, d).permute(0, 2, 1, 3, 4).reshape(B, nkv, Q * gq, d)
     kt = kc[:, :K].permute(0, 2, 3, 1)                            # [B, nkv, d, K]
     scores = torch.matmul(qg, kt).float() * scale                 # [B, nkv, Q*g, K]
-    probs = scores.masked_fill_(g.blocked(gq), float("-inf")).softmax(-1).to(q.dtype)
+    probs = scores.masked_fill_(g.blocked(gq), float("-inf")).softmax(-1).to(qp.dtype)
     out = torch.matmul(probs, vc[:, :K].transpose(1, 2))          # [B, nkv, Q*g, d]
-    out = out.view(B, nkv, Q, gq, d).permute(0, 2, 1, 3, 4).reshape(B * Q, nh, d)
-    return out if g.dense else out[g.flat_index]
+    return out.view(B, nkv, Q, gq, d).permute(0, 2, 1, 3, 4).reshape(B * Q, nh, d)
 
 
 class MLP(nn.Module):

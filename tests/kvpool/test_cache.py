@@ -1,9 +1,12 @@
 """KV cache segments: writes and gathers across segments, tail migration, release and restore."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nightjar.kvpool.cache import KVCache
+
+LAYOUTS = pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "block-major"])
 
 
 def filled(cache: KVCache, seed: int = 0) -> dict[int, torch.Tensor]:
@@ -16,8 +19,9 @@ def filled(cache: KVCache, seed: int = 0) -> dict[int, torch.Tensor]:
     return {s: k[s] + 1 for s in range(T)}
 
 
-def test_writes_and_gathers_span_segments_without_copying_the_first():
-    cache = KVCache(2, 2, 4, 4, num_blocks=3, dtype=torch.float32)
+@LAYOUTS
+def test_writes_and_gathers_span_segments_without_copying_the_first(head_major):
+    cache = KVCache(2, 2, 4, 4, num_blocks=3, dtype=torch.float32, head_major=head_major)
     first = cache.segments[0].data
     cache.add_segment(2)
     assert cache.segments[0].data is first and cache.num_blocks == 5
@@ -31,8 +35,9 @@ def test_writes_and_gathers_span_segments_without_copying_the_first():
     assert torch.allclose(v[0, :4], -(k[0, :4] - 1))
 
 
-def test_migrate_moves_tail_blocks_into_the_first_segment_for_all_layers():
-    cache = KVCache(3, 1, 2, 2, num_blocks=4, dtype=torch.float32)
+@LAYOUTS
+def test_migrate_moves_tail_blocks_into_the_first_segment_for_all_layers(head_major):
+    cache = KVCache(3, 1, 2, 2, num_blocks=4, dtype=torch.float32, head_major=head_major)
     cache.add_segment(3)
     rows = filled(cache, seed=1)
     cache.migrate([(5, 1), (6, 3), (4, 0)])
@@ -44,8 +49,9 @@ def test_migrate_moves_tail_blocks_into_the_first_segment_for_all_layers():
     assert torch.equal(k2[0, 0], rows[4] + 1)                             # untouched block, layer 2
 
 
-def test_release_frees_the_bytes_and_restore_brings_the_data_back():
-    cache = KVCache(2, 2, 4, 4, num_blocks=3, dtype=torch.float32)
+@LAYOUTS
+def test_release_frees_the_bytes_and_restore_brings_the_data_back(head_major):
+    cache = KVCache(2, 2, 4, 4, num_blocks=3, dtype=torch.float32, head_major=head_major)
     filled(cache)
     host = cache.to_host()
     before = cache.gather(0, torch.tensor([[2, 1]]))[0].clone()
@@ -54,10 +60,11 @@ def test_release_frees_the_bytes_and_restore_brings_the_data_back():
     assert torch.equal(cache.gather(0, torch.tensor([[2, 1]]))[0], before)
 
 
-def test_a_gather_over_three_segments_equals_one_contiguous_cache_for_any_table():
+@LAYOUTS
+def test_a_gather_over_three_segments_equals_one_contiguous_cache_for_any_table(head_major):
     """Random tables over a grown pool read exactly what one big cache holding the same blocks reads,
     also when the table is larger than any earlier one (the reused buffers grow)."""
-    grown, one = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32), KVCache(2, 2, 4, 4, 12, torch.float32)
+    grown, one = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32, head_major=head_major), KVCache(2, 2, 4, 4, 12, torch.float32, head_major=head_major)
     grown.add_segment(3)
     grown.add_segment(4)
     filled(grown)
@@ -71,11 +78,12 @@ def test_a_gather_over_three_segments_equals_one_contiguous_cache_for_any_table(
             assert torch.equal(k, k1) and torch.equal(v, v1)
 
 
-def test_a_pool_with_a_reserve_grows_in_place_and_reads_as_one_cache():
+@LAYOUTS
+def test_a_pool_with_a_reserve_grows_in_place_and_reads_as_one_cache(head_major):
     """Growing into the reserve makes a view of the first tensor (one-tensor reads); past the reserve a
     separate segment; shrink, regrow (zeroed) and every read equals one contiguous cache's."""
-    grown = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32, reserve_blocks=3)
-    one = KVCache(2, 2, 4, 4, 12, torch.float32)
+    grown = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32, reserve_blocks=3, head_major=head_major)
+    one = KVCache(2, 2, 4, 4, 12, torch.float32, head_major=head_major)
     first = grown.segments[0].data
     grown.add_segment(3)
     storage = first.untyped_storage().data_ptr()
@@ -101,5 +109,5 @@ def test_a_pool_with_a_reserve_grows_in_place_and_reads_as_one_cache():
     assert torch.equal(grown.gather(1, torch.tensor([[1]]))[0], before)   # the live block moved below
     grown.add_segment(3)
     assert grown.segments[1].data.abs().sum() == 0                       # regrown blocks start zeroed
-    one = KVCache(2, 2, 4, 4, 8, torch.float32)
+    one = KVCache(2, 2, 4, 4, 8, torch.float32, head_major=head_major)
     same()

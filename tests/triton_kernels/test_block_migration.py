@@ -36,7 +36,7 @@ def test_no_pairs_is_a_no_op(device):
 
 
 def test_the_reference_matches_kvcache_migrate():
-    cache = KVCache(2, 2, 8, 4, num_blocks=6, dtype=torch.float32)
+    cache = KVCache(2, 2, 8, 4, num_blocks=6, dtype=torch.float32, head_major=False)   # the kernels' layout
     cache.segments[0].data.copy_(torch.randn(cache.segments[0].data.shape))
     data = cache.segments[0].data.clone()
     cache.migrate([(5, 1), (4, 0)])

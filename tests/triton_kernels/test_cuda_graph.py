@@ -53,7 +53,7 @@ def prefilled(model, lens: list[int], seed: int = 0):
     """A cache holding len[b] tokens of sequence b; tables are shuffled blocks. -> cache, tables, tokens."""
     c, g = model.cfg, random.Random(seed)
     cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, BS, ROW_BLOCKS * len(lens) + 2, torch.float32,
-                    model.device)
+                    model.device, head_major=False)            # the kernels' layout
     blocks = list(range(1, cache.num_blocks))                  # block 0 stays a canary
     g.shuffle(blocks)
     tables = [tuple(blocks[b * ROW_BLOCKS:(b + 1) * ROW_BLOCKS]) for b in range(len(lens))]

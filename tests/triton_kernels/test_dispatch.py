@@ -21,7 +21,7 @@ def test_triton_is_used_only_with_cuda_and_without_the_opt_out(monkeypatch):
 
 def test_cpu_caches_migrate_with_torch_even_when_triton_is_on(monkeypatch):
     monkeypatch.setattr(tk, "_cuda", lambda: True)               # a CPU cache never takes the kernel
-    cache = KVCache(2, 1, 8, 4, 6, torch.float32, "cpu")
+    cache = KVCache(2, 1, 8, 4, 6, torch.float32, "cpu", head_major=False)   # blocks on dim 2, as on CUDA
     data = cache.segments[0].data
     data.copy_(torch.randn(data.shape))
     before = data.clone()

@@ -34,7 +34,7 @@ def test_stores_match_the_reference_and_skip_padded_slots(dtype, device):
 
 def test_the_reference_matches_kvcache_write_on_one_segment():
     g = torch.Generator().manual_seed(1)
-    cache = KVCache(2, 2, 8, 4, num_blocks=5, dtype=torch.float32)
+    cache = KVCache(2, 2, 8, 4, num_blocks=5, dtype=torch.float32, head_major=False)   # the kernels' layout
     k, v = torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)
     slots = torch.tensor([3, 4, 0, 19, 8, 9, 10])
     cache.write(1, k, v, slots)

@@ -11,7 +11,7 @@ from tests.conftest import random_model, tiny_config
 def run(model, kernels: bool):
     model.select_kernels(kernels)
     c = model.cfg
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 4, 16, torch.float32)
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 4, 16, torch.float32, head_major=not kernels)
     pre = build_layout([[3, 1, 4, 1, 5, 9, 2], [6, 5]], [0, 0], [(0, 1), (5,)], 4, [1, 1])
     a = model(pre, cache)
     ver = build_layout([[2, 6, 5], [3]], [7, 2], [(0, 1, 2), (5,)], 4, [3, 1])   # verify + decode rows

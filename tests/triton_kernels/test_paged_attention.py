@@ -81,7 +81,7 @@ def test_the_reference_agrees_with_the_models_sdpa_paged_attention():
     chunks = [[1] * 5, [2], [3] * 4]
     starts = [6, 9, 0]
     tables = [(3, 0, 7), (1, 5, 6), (2,)]
-    cache = KVCache(L, nkv, d, bs, num_blocks=8, dtype=torch.float32)
+    cache = KVCache(L, nkv, d, bs, num_blocks=8, dtype=torch.float32, head_major=False)   # the kernels' layout
     g = torch.Generator().manual_seed(3)
     for layer in range(L):        # fill every block with data, so padding would show up
         cache.segments[0].data[layer].copy_(torch.randn(cache.segments[0].data[layer].shape, generator=g))
