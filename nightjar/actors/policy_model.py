@@ -12,7 +12,9 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
 * **Step time** T̂(B, γ) = level · base(B, γ) · m(c, γ). ``base`` is the profile
   (``target_time(B, γ+1) + γ·draft_time(B)``, ``nightjar profile`` JSON or the simulator's profile) or,
   without one, a generic roofline-shaped prior (then the level is kept per bucket and arms not yet played
-  in a bucket take the line through the played arms' times over γ). ``level`` is learned online from
+  in a bucket take the line through the played arms' times over γ). Its draft part is re-priced at the
+  measured draft seconds per priced pass (``draft_scale``, from ``StepTimed.draft_time_s``), so the draft's
+  error is learned apart from the target's. ``level`` is learned online from
   decode steps; each step's surprise is split between the level and the played arm by how well the arm
   is known. Prefill tokens in a mixed step get their own learned per-token term and are subtracted (until
   that term has data such steps are left out). m(c, γ) is the per-(bucket, γ) correction: the discounted
@@ -226,7 +228,8 @@ class ModelNightjarPolicy(Policy):
         self.switch_cost, self.prompt_charge, self.kv_cost = switch_cost, prompt_charge, kv_cost
         self.dwell, self._run = float(dwell0), 0
         self.new_tok = self.new_req = 0.0   # EMA of prompt tokens / prompts entering decode per step
-        self._base: list[list[float] | None] = []
+        self._base: list[tuple[list[float], float] | None] = []   # per B: target part per γ, one draft pass
+        self.draft_scale = 0.0              # measured draft seconds / the draft base priced; 0 = none yet
         self._arms: list[list[_Arm]] = []
         self._cur: list[int] = []
         self._steps: list[int] = []          # observed steps per bucket
@@ -263,19 +266,48 @@ class ModelNightjarPolicy(Policy):
         return None if c1 is None else (float(getattr(p, "catchup_c0", 0.0)), float(c1))
 
     def base_row(self, b: int) -> list[float]:
-        """base(B, γ) for γ = 0..gamma_max (cached per B)."""
+        """base(B, γ) for γ = 0..gamma_max (in the level's units, for the bucket ``_ctx`` selected): the
+        target's forward plus γ draft passes, each priced at the profile's (or the generic prior's) pass
+        until a draft time was measured, then at the measured seconds (``draft_scale``) over the level."""
+        tgt, dpass = self._base_parts(b)
+        d = dpass * self._draft_factor()
+        return [max(t + g * d, 1e-9) for g, t in enumerate(tgt)]
+
+    def _draft_factor(self) -> float:
+        """What a draft base unit is worth in the level's units: measured seconds per priced unit / level."""
+        lvl = self._level()
+        return self.draft_scale / lvl if self.draft_scale > 0.0 and lvl > 0.0 else 1.0
+
+    def _base_parts(self, b: int) -> tuple[list[float], float]:
+        """(target part of base(B, γ) for γ = 0..gamma_max, one draft pass), cached per B."""
         while len(self._base) <= b:
             self._base.append(None)
-        row = self._base[b]
-        if row is None:
+        parts = self._base[b]
+        if parts is None:
             p, G = self.profile, self.gamma_max
             if p is None:
-                row = [_generic_base(b, g) for g in range(G + 1)]
+                parts = ([_generic_base(b, g) - 0.12 * g for g in range(G + 1)], 0.12)
             else:
-                row = [p.target_time(b, g + 1) + g * p.draft_time(b) for g in range(G + 1)]
-                row = [max(x, 1e-9) for x in row]
-            self._base[b] = row
-        return row
+                parts = ([p.target_time(b, g + 1) for g in range(G + 1)], p.draft_time(b))
+            self._base[b] = parts
+        return parts
+
+    def _learn_draft(self, r: StepTimed) -> None:
+        """The draft passes' measured seconds against the base the model priced them at: the draft's share
+        of a step is known apart from the target's, so γ = 0 (which never drafts) does not inherit the
+        draft's error through its bucket's pooled correction. In the engine a draft pass costs 1.3-2.3x a bare
+        draft forward of the profile (Python per pass: layout, argmax, bookkeeping)."""
+        if r.gamma <= 0 or r.draft_time_s <= 0.0:
+            return
+        if r.drafted_per_pos:
+            dt = self._tables(r.batch_size)[1]
+            priced = sum(dt[n] for n in r.drafted_per_pos if n > 0)
+        else:
+            priced = r.gamma * self._base_parts(r.batch_size)[1]
+        if priced <= 0.0:
+            return
+        x = r.draft_time_s / priced
+        self.draft_scale = x if self.draft_scale <= 0.0 else self.draft_scale + 0.1 * (x - self.draft_scale)
 
     def _ctx(self, c: int) -> list[_Arm]:
         """The bucket's arms; sets ``_now`` to its step count (what arm decay is measured against)."""
@@ -412,7 +444,7 @@ class ModelNightjarPolicy(Policy):
         out = tt[b][1]
         for k, n in enumerate(drafted_per_pos, 1):
             if n > 0:
-                out += tt[n][k + 1] - tt[n][k] + dt[n]
+                out += tt[n][k + 1] - tt[n][k] + dt[n] * self._draft_factor()
         return max(out, 1e-9)
 
     def decide_rows(self, batch_size: int, state: PlannerState, req_ids, speculate, row_lags=None) -> tuple[int, ...]:
@@ -433,6 +465,9 @@ class ModelNightjarPolicy(Policy):
         gains = ra.gains_rows(req_ids, speculate, shared, G)
         extra, row_extra = self._row_extras(state, row_lags)
         tt, dt = self._tables(b)
+        f = self._draft_factor()
+        if f != 1.0:
+            dt = [x * f for x in dt]
         alloc = allocate(gains, tt, dt, factor, extra, row_extra)
         out = alloc.gammas
         zero = alloc.zero_score
@@ -518,12 +553,13 @@ class ModelNightjarPolicy(Policy):
             self.dwell = min(512.0, max(16.0, 0.9 * self.dwell + 0.1 * self._run))
             self._run = 0
         if r.step_time_s > 0.0:
+            self._learn_draft(r)
             self._learn_time(r)
 
     def _learn_time(self, r: StepTimed) -> None:
         b, g = r.batch_size, r.gamma
+        arm = self._ctx(bucket(b))[g]                 # first: the base's draft part reads the bucket's level
         base = self.mixed_base(b, r.drafted_per_pos) if r.drafted_per_pos else self.base_row(b)[g]
-        arm = self._ctx(bucket(b))[g]
         t = r.step_time_s
         if r.num_prefill_tokens > 0:
             if self._level() <= 0.0:
@@ -584,7 +620,7 @@ class ModelNightjarPolicy(Policy):
                 ctxs[bucket_label(c)] = {"n": [a.n for a in arms], "current": self._cur[c],
                                          "t_s": [self.predict(b, g)[0] for g in range(self.gamma_max + 1)]}
         return {**super().snapshot(), "elastic_memory": self.elastic_memory, "model": "nightjar-v2",
-                "profile": getattr(self.profile, "name", None), "level": self.level,
+                "profile": getattr(self.profile, "name", None), "level": self.level, "draft_scale": self.draft_scale,
                 "rho": [self.accept.rho(i) for i in range(self.gamma_max)], "E": list(self.accept.e),
                 "accept_alarms": self.accept.alarms, "dwell": self.dwell,
                 "prefill_s_per_token": self.pf_nx / self.pf_xx if self.pf_xx else None,

@@ -194,5 +194,6 @@ class Verifier(Actor):
                         sum(1 for i in range(s.num_decode) if s.speculate[i])) if gamma else 0,
             num_prefill_tokens=sum(len(c) for c in s.chunk_ids[s.num_decode:]),
             drafted_per_pos=drafted_pp, reached_per_pos=reached_pp,
+            draft_time_s=drafted.draft_time_s if drafted else 0.0,
         )
         return [verified, timed]

@@ -140,6 +140,7 @@ class StepTimed(Msg, frozen=True):
     num_prefill_tokens: int = 0
     drafted_per_pos: tuple[int, ...] = ()    # per-row γ only: rows that drafted position i (= ran pass i+1)
     reached_per_pos: tuple[int, ...] = ()    # per-row γ only: rows that drafted position i with 0..i-1 accepted
+    draft_time_s: float = 0.0        # the draft passes' part of step_time_s (0: γ = 0, or a trace from before)
 
 
 class TokensCommitted(Msg, frozen=True):

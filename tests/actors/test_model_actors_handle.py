@@ -158,7 +158,7 @@ def flat(rows):
     return tuple(t for r in rows for t in r)
 
 
-def expected_results(sched, gamma, emitted, accepted, step_time, catchup=(0.0, 0)):
+def expected_results(sched, gamma, emitted, accepted, step_time, catchup=(0.0, 0), draft_time=0.0):
     num_dec = sched.num_decode
     verified = StepVerified(step=sched.step, gamma=gamma, req_ids=sched.req_ids, counts=tuple(map(len, emitted)),
                             tokens=flat(emitted), accepted=tuple(accepted), num_decode=num_dec)
@@ -167,7 +167,7 @@ def expected_results(sched, gamma, emitted, accepted, step_time, catchup=(0.0, 0
                       catchup_time_s=catchup[0], catchup_tokens=catchup[1],
                       accepted_per_pos=tuple(sum(a > i for a in accepted[:num_dec]) for i in range(gamma)),
                       num_drafts=sum(sched.speculate) if gamma else 0,
-                      num_prefill_tokens=sum(len(c) for c in sched.chunk_ids[num_dec:]))
+                      num_prefill_tokens=sum(len(c) for c in sched.chunk_ids[num_dec:]), draft_time_s=draft_time)
     return [verified, timed]
 
 
@@ -198,7 +198,7 @@ def run_speculative(rig: Rig, step: int, decode, prefill=(), gamma: int = 3):
     d, out = rig.send(drafted)
     assert d == "-" and out[1].step_time_s > drafted.draft_time_s
     assert out == expected_results(sched, gamma, emitted, accepted, out[1].step_time_s,
-                                   (drafted.catchup_time_s, catchup))
+                                   (drafted.catchup_time_s, catchup), drafted.draft_time_s)   # the draft's share
     assert rig.buffers._bufs == {}                           # the verifier took the step's draft buffer
     assert rig.send(rig.commit(sched, out[0])) == (None, None)
     return drafted, out, accepted

@@ -13,6 +13,7 @@ import random
 import statistics
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from nightjar.actors.planner import Planner
@@ -65,6 +66,31 @@ def test_regret_is_within_5_percent_after_200_steps_and_flat_after(profile, acc)
     assert max(first) <= 0.05
     assert max(whole) <= 0.05 and max(later) <= 0.03       # flat: no growth beyond a steady ~1 %
     assert worst_pulls <= 5
+
+
+class _NoDraftTime(PlannerEnv):
+    """The same steps without their draft share (as in a trace recorded before StepTimed had it)."""
+
+    def step(self, b, g, rng):
+        return msgspec.structs.replace(super().step(b, g, rng), draft_time_s=0.0)
+
+
+@pytest.mark.parametrize("b,scale", [(8, 3.0), (16, 3.0), (32, 2.0), (64, 2.0)])
+def test_a_draft_dearer_than_its_profile_is_priced_apart_so_gamma_0_does_not_inherit_it(b, scale):
+    """In the engine a draft pass costs 1.3-2.3x the profile's bare draft forward. Here 2-3x: γ = 0 is the best
+    arm (by 0.5-5 %) while the profile's prices make γ = 1 look 3-13 % cheaper per token. Measured apart
+    (StepTimed.draft_time_s), the draft's cost does not reach γ = 0 through its bucket's pooled correction;
+    without it the planner never plays γ = 0 at B = 8 and 16 (regret ~4-5 %)."""
+    env, blind = PlannerEnv(CPU, WEAK, draft_scale=scale), _NoDraftTime(CPU, WEAK, draft_scale=scale)
+    assert env.best(b, 4)[0] == 0 and PlannerEnv(CPU, WEAK).best(b, 4)[0] > 0
+    with_, without = [], []
+    for seed in range(5):
+        pol = nightjar(CPU, seed)
+        with_.append(run_planner(pol, lambda t: env, lambda t: b, 400, seed).regret())
+        assert pol.draft_scale == pytest.approx(scale, rel=0.1)
+        without.append(run_planner(nightjar(CPU, seed), lambda t: blind, lambda t: b, 400, seed).regret())
+    print(f"B={b} draft x{scale}: regret {max(with_):.3f} (without the draft's share {max(without):.3f})")
+    assert max(with_) <= 0.025 and sum(with_) < sum(without)
 
 
 @pytest.mark.parametrize("acc", [WEAK, GOOD], ids=["weak", "good"])

@@ -121,7 +121,8 @@ class SimExecutor:
                                 tokens=self.tokens[:total], accepted=tuple(accepted), num_decode=nd)
         timed = StepTimed(step=s.step, batch_size=nd, gamma=g, step_time_s=verify + draft, tokens_emitted=emitted,
                           max_draft_lag=s.max_draft_lag, catchup_time_s=catch_s, catchup_tokens=catch if n_spec else 0,
-                          accepted_per_pos=tuple(per_pos), num_drafts=n_spec if g else 0, num_prefill_tokens=n_pre)
+                          accepted_per_pos=tuple(per_pos), num_drafts=n_spec if g else 0, num_prefill_tokens=n_pre,
+                          draft_time_s=draft)
         return verify + draft + catch_s + p.step_overhead_s, (verified, timed)
 
 
@@ -171,7 +172,8 @@ class SimExecutor:
         timed = StepTimed(step=s.step, batch_size=nd, gamma=g, step_time_s=verify + draft, tokens_emitted=emitted,
                           max_draft_lag=s.max_draft_lag, catchup_time_s=catch_s, catchup_tokens=catch if n_spec else 0,
                           accepted_per_pos=tuple(per_pos), num_drafts=n_spec if g else 0, num_prefill_tokens=n_pre,
-                          drafted_per_pos=layers if per_row else (), reached_per_pos=tuple(reached) if per_row else ())
+                          drafted_per_pos=layers if per_row else (), reached_per_pos=tuple(reached) if per_row else (),
+                          draft_time_s=draft)
         return verify + draft + catch_s + p.step_overhead_s, (verified, timed)
 
 

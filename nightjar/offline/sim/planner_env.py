@@ -68,9 +68,11 @@ class PlannerEnv:
                 if rng.random() >= acc[min(i, len(acc) - 1)]:
                     break
                 per_pos[i] += 1
-        t = self.mean_time(b, g) * max(0.3, 1.0 + self.noise * rng.gauss(0.0, 1.0))
-        return StepTimed(step=0, batch_size=b, gamma=g, step_time_s=t, tokens_emitted=b + sum(per_pos),
-                         accepted_per_pos=tuple(per_pos), num_drafts=b if g else 0)
+        f = max(0.3, 1.0 + self.noise * rng.gauss(0.0, 1.0))
+        draft = g * self.profile.draft_time(b) * self.draft_scale * f
+        return StepTimed(step=0, batch_size=b, gamma=g, step_time_s=self.mean_time(b, g) * f,
+                         tokens_emitted=b + sum(per_pos), accepted_per_pos=tuple(per_pos), num_drafts=b if g else 0,
+                         draft_time_s=draft)
 
 
 @dataclass
