@@ -82,7 +82,7 @@ class KVCache:
         return seg
 
     def _refresh(self) -> None:
-        """``_base``: the one tensor [L, 2, n, bs, nkv, d] holding every block at its global id (one
+        """``_base``: the one tensor (``_shape``) holding every block at its global id (one
         segment, or all of them in the reserve), else None; recomputed whenever the segments change."""
         segs = self.segments
         if len(segs) == 1:
