@@ -268,13 +268,13 @@ def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> t
         qp = torch.cat((q, q.new_zeros(1, nh, d)))[g.q_index]     # [B, Q, nh, d]
     tables = g.block_tables[:, : -(-K // cache.block_size)]
     if cache.head_major:
-        out = _attend_head_major(qp, cache, layer, tables, g, K, scale)
+        out = _attend_head_major(qp, cache, layer, tables, g, scale)
     else:
         out = _attend_block_major(qp, cache, layer, tables, g, K, scale)
     return out if g.dense else out[g.flat_index]
 
 
-def _attend_head_major(qp, cache, layer: int, tables, g: AttnGroup, K: int, scale: float) -> torch.Tensor:
+def _attend_head_major(qp, cache, layer: int, tables, g: AttnGroup, scale: float) -> torch.Tensor:
     """qp [B, Q, nh, d] over a head-major cache: batch dims (kv head, row), contiguous K and V of whole blocks
     (Kp = nb*bs >= K positions, the tail masked) -> [B*Q, nh, d]."""
     B, Q, nh, d = qp.shape
