@@ -230,7 +230,8 @@ class Engine:
                         min(c.max_model_len, tc.max_position), self.memory.num_blocks * c.block_size)
         dev, dtype = self.target.model.device, self.target.model.dtype
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, c.block_size, self.memory.num_blocks,
-                             dtype, dev, reserve_blocks=self._kv_reserve(dev), head_major=kv_head_major(self.target.model))
+                             dtype, dev, reserve_blocks=self._kv_reserve(dev),
+                             head_major=kv_head_major(self.target.model))
         self.clock = MonotonicClock()
         self.bus = Bus(self.clock)
         self.collector = Collector()

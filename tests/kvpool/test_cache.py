@@ -64,7 +64,8 @@ def test_release_frees_the_bytes_and_restore_brings_the_data_back(head_major):
 def test_a_gather_over_three_segments_equals_one_contiguous_cache_for_any_table(head_major):
     """Random tables over a grown pool read exactly what one big cache holding the same blocks reads,
     also when the table is larger than any earlier one (the reused buffers grow)."""
-    grown, one = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32, head_major=head_major), KVCache(2, 2, 4, 4, 12, torch.float32, head_major=head_major)
+    grown = KVCache(2, 2, 4, 4, num_blocks=5, dtype=torch.float32, head_major=head_major)
+    one = KVCache(2, 2, 4, 4, 12, torch.float32, head_major=head_major)
     grown.add_segment(3)
     grown.add_segment(4)
     filled(grown)
