@@ -1,11 +1,14 @@
 """Per-request γ_i (issue 17) in the simulator: a mixed workload, half high-acceptance and half low.
 
-  python bench/per_request_sim.py [--seeds 5] [--profiles cpu,a100] [--n 1,4,16,64] [--mix '0.5:0.9;0.5:0.1']
+  python bench/per_request_sim.py [--seeds 5] [--profiles cpu,cpu-quiet,a100] [--n 1,4,16,64]
+                                  [--mix '0.5:0.9;0.5:0.1']
 
 The full control plane (real planner, batcher, KV pool) on the simulator, closed loop with N clients,
 per-request acceptance drawn per request from the classes of ``--mix`` (synthetic acceptance, labelled as
-such: each drafting row accepts position i with its class's rate). Profiles: the measured CPU profile
-(tests/actors/data/profile_cpu_bf16.json) and the A100-13B roofline. Every policy sees the same requests
+such: each drafting row accepts position i with its class's rate). Profiles: the two CPU profiles measured
+on this box (``cpu``: tests/actors/data/profile_cpu_bf16.json, 2026-11-30, cores shared with other jobs;
+``cpu-quiet``: profile_cpu_bf16_quiet.json, 2026-12-02, head-major KV cache, quiet box) and the A100-13B
+roofline (``a100``). Every policy sees the same requests
 and classes (same seed). Prints, per profile and N, the median over seeds (and min) of throughput and
 mean-E2E ratios of ``nightjar:per-request`` against batch-level ``nightjar`` and against the best fixed γ
 (best by median throughput), and the share of decode rows per γ_i.
@@ -23,16 +26,15 @@ from nightjar.offline.sim.executors import AcceptanceMix
 from nightjar.offline.sim.workload import make_workload
 from nightjar.offline.simulate import SimConfig, Simulation
 
-CPU_PROFILE = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data" / "profile_cpu_bf16.json"
+DATA = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data"
+CPU_PROFILES = {"cpu": DATA / "profile_cpu_bf16.json", "cpu-quiet": DATA / "profile_cpu_bf16_quiet.json"}
 FIXED = ("fixed:1", "fixed:2", "fixed:3", "fixed:4")
 BATCH, PER_ROW = "nightjar", "nightjar:per-request"
 
 
 def profiles(names: list[str]) -> dict[str, Profile]:
-    out = {}
-    for n in names:
-        out[n] = Profile.load(str(CPU_PROFILE)) if n == "cpu" else roofline_profile("a100", "13b")
-    return out
+    return {n: Profile.load(str(CPU_PROFILES[n])) if n in CPU_PROFILES else roofline_profile("a100", "13b")
+            for n in names}
 
 
 def run_cell(prof: Profile, n: int, seed: int, mix: AcceptanceMix, policies) -> dict[str, tuple[float, float, dict]]:
@@ -58,6 +60,9 @@ def main() -> int:
     p.add_argument("--mix", default="0.5:0.9;0.5:0.1", help="request classes W:R;W:R (see nightjar simulate)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args()
+    bad = [n for n in a.profiles.split(",") if n not in (*CPU_PROFILES, "a100")]
+    if bad:
+        p.error(f"unknown profile {bad[0]!r}: choose from {', '.join((*CPU_PROFILES, 'a100'))}")
     mix = AcceptanceMix.parse(a.mix)
     policies = (*FIXED, BATCH, PER_ROW)
     rows = []

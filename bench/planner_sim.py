@@ -1,6 +1,11 @@
 """Planner v2 figures from the simulator (issue 13): regret, closed loop, the A100-13B phased trace.
 
   python bench/planner_sim.py [--sections regret,closed,phased,closed-noprofile] [--seeds 10] [--json out.json]
+                              [--cpu-profile shared|quiet]
+
+``--cpu-profile`` picks one of the two CPU profiles measured on this box and committed in tests/actors/data:
+``shared`` (profile_cpu_bf16.json, 2026-11-30, measured while other jobs shared the cores) or ``quiet``
+(profile_cpu_bf16_quiet.json, 2026-12-02, the head-major KV cache, nothing else running).
 
 * regret -- planner only, known cost model (the measured CPU profile of tests/actors/data and the A100-13B
   roofline), synthetic per-position acceptance from 0.38 to 0.8, B changing every 50 steps over 1..64,
@@ -41,7 +46,9 @@ from nightjar.offline.sim.workload import make_workload
 from nightjar.offline.simulate import SimConfig, Simulation
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU = Profile.load(str(ROOT / "tests" / "actors" / "data" / "profile_cpu_bf16.json"))
+DATA = ROOT / "tests" / "actors" / "data"
+CPU_PROFILES = {"shared": DATA / "profile_cpu_bf16.json", "quiet": DATA / "profile_cpu_bf16_quiet.json"}
+CPU = Profile.load(str(CPU_PROFILES["shared"]))
 A100 = roofline_profile("a100", "13b")
 STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
 
@@ -146,7 +153,11 @@ def main() -> int:
     p.add_argument("--sections", default="regret,closed,phased")
     p.add_argument("--seeds", type=int, default=10, help="seeds of the regret section")
     p.add_argument("--json", default=None)
+    p.add_argument("--cpu-profile", choices=sorted(CPU_PROFILES), default="shared",
+                   help="which measured CPU profile the regret and closed sections use")
     a = p.parse_args()
+    global CPU
+    CPU = Profile.load(str(CPU_PROFILES[a.cpu_profile]))
     out = {}
     for sec in a.sections.split(","):
         out[sec] = {"regret": lambda: regret(a.seeds), "closed": closed, "phased": phased,

@@ -21,9 +21,10 @@ from nightjar.sampling import ConfigError
 # Bumped whenever the model's kernels or the measurement change what a profile says (2: fused projections,
 # oneDNN-packed CPU weights; 3: the quick grid covers B <= 64, q <= 5 and is made monotone; 4: measured with
 # no other live thread holding an OpenMP team, which had made small-B steps ~2x slower, see kernel/threads.py;
-# 5: head-major CPU KV cache, attention over whole blocks: steps at B >= 16 8-18 % faster, kvpool/cache.py),
+# 5: head-major CPU KV cache, attention over whole blocks: steps at B >= 16 8-18 % faster, kvpool/cache.py;
+# 6: T_draft timed right after a target forward, as the engine runs it, 1.12-1.18x the back-to-back time),
 # so that a profile cached before is measured again instead of misleading the planner.
-KERNELS_VERSION = 5
+KERNELS_VERSION = 6
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:

@@ -130,3 +130,16 @@ def test_the_quick_profile_covers_the_batch_and_draft_lengths_the_planner_reads(
     for row in prof.T:
         assert row == sorted(row)
     assert prof.meta["T_raw"] and prof.draft_T == sorted(prof.draft_T)
+
+
+def test_the_draft_is_timed_right_after_an_untimed_target_forward_as_the_engine_runs_it(monkeypatch):
+    """T_draft(B) times each draft forward just after a target forward (the target evicts the draft's
+    weights from the caches), and only the draft forward is inside the timer."""
+    from nightjar.offline import profile as p
+
+    calls = []
+    clock = iter(range(1000))
+    monkeypatch.setattr(p.time, "perf_counter", lambda: float(next(clock)))
+    t = p._after(lambda: calls.append("target"), lambda: calls.append("draft"), reps=3)
+    assert calls == ["target", "draft"] * 4                # one warm-up pair, then one pair per repetition
+    assert t == 1.0                                         # two clock reads around the draft alone

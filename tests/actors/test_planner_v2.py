@@ -2,10 +2,14 @@
 
 Cost model: the step-time profile measured on the project's CPU box (``tests/actors/data/
 profile_cpu_bf16.json``, `nightjar profile --no-engine`, bf16 SmolLM2-135M + the shipped draft, measured
-while the box was shared: slower than the idle table in docs/benchmarks.md, same shape) and the A100-13B
-roofline. Acceptance is synthetic (labelled): per-position conditional rates from weak (0.38, the
-shipped draft's) to good (0.8). Regret is counted in expected seconds per token against the per-step
-oracle that knows both (``nightjar/offline/sim/planner_env.py``).
+2026-11-30 while the box was shared: about 2x slower than a quiet box) and the A100-13B roofline. The
+regret and closed-loop tests also run on ``profile_cpu_bf16_quiet.json`` (measured 2026-12-02 on a quiet
+box with the head-major KV cache, the draft timed after a target forward), whose shape differs: at B = 32
+the weak draft's γ = 1 is 8.6 % cheaper per token than γ = 0 there, 2.8 % on the shared-box profile. The
+other tests' comments quote the shared-box profile's figures. Acceptance is synthetic (labelled):
+per-position conditional rates from weak (0.38, the shipped draft's) to good (0.8). Regret is counted in
+expected seconds per token against the per-step oracle that knows both (``nightjar/offline/sim/
+planner_env.py``).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from nightjar.offline.simulate import SimConfig, Simulation
 from tests.actors.test_policies import timed
 
 CPU = Profile.load(str(Path(__file__).parent / "data" / "profile_cpu_bf16.json"))
+CPU_QUIET = Profile.load(str(Path(__file__).parent / "data" / "profile_cpu_bf16_quiet.json"))
 A100 = roofline_profile("a100", "13b")
 ACCEPTANCE = ACCEPTANCE_VECTORS
 SEEDS = range(10)
@@ -45,7 +50,7 @@ def nightjar(profile, seed=0, **kw):
 
 
 # ---------------------------------------------------------------- regret
-@pytest.mark.parametrize("profile", [CPU, A100], ids=["cpu", "a100-13b"])
+@pytest.mark.parametrize("profile", [CPU, CPU_QUIET, A100], ids=["cpu", "cpu-quiet", "a100-13b"])
 @pytest.mark.parametrize("acc", ACCEPTANCE, ids=lambda a: f"acc{a[0]}")
 def test_regret_is_within_5_percent_after_200_steps_and_flat_after(profile, acc):
     env = PlannerEnv(profile, acc)
@@ -316,9 +321,10 @@ def test_dsd_cannot_stick_at_gamma_zero():
 STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
 
 
+@pytest.mark.parametrize("profile", [CPU, CPU_QUIET], ids=["cpu", "cpu-quiet"])
 @pytest.mark.parametrize("acc", [WEAK, GOOD], ids=["weak", "good"])
 @pytest.mark.parametrize("n", [1, 4, 16, 64])
-def test_closed_loop_nightjar_matches_the_best_static_policy(n, acc):
+def test_closed_loop_nightjar_matches_the_best_static_policy(n, acc, profile):
     """Whole run, and the first 200 decode steps of nightjar's run (every policy over that same time)."""
     thr = {p: [] for p in (*STATIC, "nightjar")}
     early = {p: [] for p in thr}
@@ -327,7 +333,7 @@ def test_closed_loop_nightjar_matches_the_best_static_policy(n, acc):
         wl = make_workload("poisson:1", seed=seed, num_requests=max(8, per_client * n), prompt_mean=64, output_mean=96,
                            sigma=0.5, max_len=512)
         cfg = SimConfig(gamma_max=4, seed=seed, closed_loop=n, max_num_seqs=64, max_model_len=512)
-        sims = {p: Simulation(CPU, wl, p, cfg, acc) for p in thr}
+        sims = {p: Simulation(profile, wl, p, cfg, acc) for p in thr}
         res = {p: sim.run() for p, sim in sims.items()}
         t200 = res["nightjar"].extra["early_t"]
         assert t200, "nightjar's run must last 200 decode steps"
