@@ -140,6 +140,6 @@ def test_the_draft_is_timed_right_after_an_untimed_target_forward_as_the_engine_
     calls = []
     clock = iter(range(1000))
     monkeypatch.setattr(p.time, "perf_counter", lambda: float(next(clock)))
-    t = p._after(lambda: calls.append("target"), lambda: calls.append("draft"), reps=3)
-    assert calls == ["target", "draft"] * 4                # one warm-up pair, then one pair per repetition
+    t = p._quartile_time(lambda: calls.append("draft"), reps=3, before=lambda: calls.append("target"))
+    assert calls == ["target", "draft"] * 5                # two warm-up pairs, then one pair per repetition
     assert t == 1.0                                         # two clock reads around the draft alone

@@ -93,27 +93,17 @@ def monotone_grid(T: list[list[float]]) -> list[list[float]]:
     return [[cols[j][i] for j in range(len(cols))] for i in range(len(rows))]
 
 
-def _after(before, fn, reps: int) -> float:
-    """Lower-quartile time of ``fn`` each time right after an untimed ``before``."""
-    before()
-    fn()
+def _quartile_time(fn, reps: int, before=None) -> float:
+    """Lower-quartile time of ``fn`` over ``reps`` calls after two warm-up calls; with ``before``, every
+    call (warm-ups included) follows an untimed ``before()``."""
     ts = []
-    for _ in range(reps):
-        before()
+    for r in range(reps + 2):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
-        ts.append(time.perf_counter() - t0)
-    return _stat(ts)
-
-
-def _quartile_time(fn, reps: int) -> float:
-    fn()
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+        if r >= 2:
+            ts.append(time.perf_counter() - t0)
     return _stat(ts)
 
 
@@ -151,7 +141,8 @@ def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool
     if draft is not None:
         db = _Bench(draft, block_size, max(Bs), ctx)
         out["draft_B"] = Bs
-        out["draft_T"] = isotonic([_after(lambda: tb.forward(b, 2), lambda: db.forward(b, 1), reps) for b in Bs])
+        out["draft_T"] = isotonic([_quartile_time(lambda: db.forward(b, 1), reps, before=lambda: tb.forward(b, 2))
+                                     for b in Bs])
         c16 = _quartile_time(lambda: db.forward(1, 16, 0), reps)
         c128 = _quartile_time(lambda: db.forward(1, 128, 0), reps)
         out["catchup_per_token"] = max(c128 - c16, 0.0) / 112
