@@ -10,6 +10,7 @@ from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout
 from nightjar.models.eagle import DraftHead, HeadConfig, load_head
 from nightjar.training.eagle import (
+    PickedLogProbs,
     TrainSetup,
     batch_loss,
     bf16_copy,
@@ -23,6 +24,7 @@ from nightjar.training.eagle import (
     save_head,
     select_vocab,
     set_standardisation,
+    step_loss,
     target_to_draft,
     train,
     ttt_forward,
@@ -180,3 +182,37 @@ def test_the_corpus_reader_skips_empty_answers_and_a_line_still_being_written(tm
     recs, lines = read_corpus(path)
     assert recs == [rec] and lines == 2
     assert read_corpus(path, limit=1) == ([rec], 1)
+
+
+def test_picked_log_probs_and_their_gradient_equal_log_softmax_then_gather():
+    g = torch.Generator().manual_seed(0)
+    z = (3 * torch.randn(7, 50, generator=g)).requires_grad_()
+    ids = torch.randint(0, 50, (7, 5), generator=g)
+    ids[:, 3] = ids[:, 4] = 0                                   # repeated ids (out-of-vocabulary rows clamp to 0)
+    w = torch.randn(7, 5, generator=g)
+    picked, zmax = PickedLogProbs.apply(z, ids)
+    (picked * w).sum().backward()
+    ref_z = z.detach().clone().requires_grad_()
+    ref = ref_z.log_softmax(-1).gather(-1, ids)
+    (ref * w).sum().backward()
+    assert torch.allclose(picked, ref, atol=1e-5)
+    assert torch.allclose(z.grad, ref_z.grad, atol=1e-5)
+    assert torch.equal(zmax, z.detach().amax(-1))
+
+
+def test_step_loss_hits_are_the_heads_argmax_equal_to_the_targets_in_vocabulary():
+    hc = HeadConfig(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
+                    feature_layers=LAYERS, draft_vocab=20, target_vocab=100)
+    head = DraftHead(hc)
+    d2t = torch.arange(0, 100, 5)                                # draft id i <-> target id 5i
+    head.d2t.copy_(d2t)
+    t2d = target_to_draft(d2t, 100)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 6, 32, generator=g)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    lab = torch.randint(0, 100, (2, 6, 4), generator=g)
+    lab[0, :, 0] = head.d2t[head.logits(a[0]).argmax(-1)]        # row 0: the target's argmax is the head's
+    lab[1, :3, 0] = 1                                            # outside the draft vocabulary: never a hit
+    loss, hits = step_loss(head, a, mask, lab, torch.randn(2, 6, 4, generator=g), t2d)
+    want = head.d2t[head.logits(a.reshape(12, 32)).argmax(-1)] == lab.reshape(12, 4)[:, 0]
+    assert torch.isfinite(loss) and torch.equal(hits, want) and bool(hits[:6].all()) and not bool(hits[6:9].any())
