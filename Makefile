@@ -35,13 +35,14 @@ bench: $(STAMP)
 	$(PY) -m nightjar bench serve --launch --policy nightjar --trace spike --output-json bench.json --plot bench.png
 
 # The draft head for the default target, from scratch, resumable (rerun after a stop): the target's answers to
-# the training prompts (~700k tokens), then EAGLE-3-style training. Outputs under TRAIN_DIR, never in the repo.
+# the training prompts (~1.7M tokens, ~42 min here), then EAGLE-3-style training (80 min).
+# Outputs under TRAIN_DIR, never in the repo.
 TRAIN_DIR ?= .distill/head
-HEAD_MINUTES ?= 60
+HEAD_MINUTES ?= 80
 draft-head: $(STAMP)
 	$(PY) -m nightjar models pull
 	mkdir -p $(TRAIN_DIR)
-	$(PY) -m nightjar.training.answers --out $(TRAIN_DIR)/answers.jsonl --templated 4000 --samples 2 --seed 0
+	$(PY) -m nightjar.training.answers --out $(TRAIN_DIR)/answers.jsonl --templated 4000 --samples 6 --seed 0
 	$(PY) -m nightjar.training.eagle --corpus $(TRAIN_DIR)/answers.jsonl --out $(TRAIN_DIR)/run \
 	    --minutes $(HEAD_MINUTES) --vocab 8192 --ttt 4 --seed 0
 
