@@ -352,7 +352,7 @@ def step_loss(head: DraftHead, a: torch.Tensor, mask: torch.Tensor, lab_ids: tor
     if drop_oov:
         keep = t2d[tgt] >= 0
         ids, tgt, a, logp = ids[keep], tgt[keep], a[keep], logp[keep]
-    z = head.lm_head(head.norm(a))                                                # [M, Vd] head dtype
+    z = head.logits(a)                                                            # [M, Vd] fp32
     did = t2d[ids]                                                                # [M, k], -1 = outside
     picked, zmax = PickedLogProbs.apply(z, did.clamp_min(0))                      # [M, k] fp32, [M]
     t = logp.softmax(-1) * (did >= 0)
@@ -362,7 +362,7 @@ def step_loss(head: DraftHead, a: torch.Tensor, mask: torch.Tensor, lab_ids: tor
     soft = soft_rows[has].sum() / max(1, int(has.sum()))
     hard = -picked[:, 0][hv].sum() / max(1, int(hv.sum()))
     with torch.no_grad():                      # argmax == target <=> its logit is the max (ties: measure 0)
-        hits = hv & (z.gather(-1, did[:, :1].clamp_min(0)).squeeze(-1).float() >= zmax)
+        hits = hv & (z.gather(-1, did[:, :1].clamp_min(0)).squeeze(-1) >= zmax)
     return soft + HARD_WEIGHT * hard, hits
 
 
