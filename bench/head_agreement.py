@@ -16,7 +16,7 @@ import torch
 
 from nightjar.data import load_prompts
 from nightjar.models import load_model
-from nightjar.models.eagle import load_head
+from nightjar.models.eagle import is_head_dir, load_head
 from nightjar.training.answers import generate_answers
 from nightjar.training.eagle import dense_target, ttt_forward
 
@@ -41,6 +41,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args(argv)
+    if not is_head_dir(Path(a.head)):
+        ap.error(f"--head {a.head}: not a draft head directory (head_config.json + head.safetensors)")
     torch.set_grad_enabled(False)
     t = load_model(a.model, dtype=torch.bfloat16, pack=False)
     head = load_head(Path(a.head), t.model.cfg, torch.bfloat16)

@@ -48,17 +48,16 @@ from nightjar.offline.simulate import SimConfig, Simulation
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "actors" / "data"
 CPU_PROFILES = {"shared": DATA / "profile_cpu_bf16.json", "quiet": DATA / "profile_cpu_bf16_quiet.json"}
-CPU = Profile.load(str(CPU_PROFILES["shared"]))
 A100 = roofline_profile("a100", "13b")
 STATIC = ("off", "fixed:1", "fixed:2", "fixed:3", "fixed:4")
 
 
-def regret(seeds: int) -> list[dict]:
+def regret(seeds: int, cpu: Profile) -> list[dict]:
     rows = []
     print("\n## Regret vs the per-step oracle (600 decode steps, B over 1..64)\n")
     print("| profile | acceptance | policy | regret 0-200 max / mean | regret 200-600 max / mean |")
     print("|---|---|---|---|---|")
-    for pname, prof in (("cpu", CPU), ("a100-13b", A100)):
+    for pname, prof in (("cpu", cpu), ("a100-13b", A100)):
         for acc in ACCEPTANCE_VECTORS:
             env = PlannerEnv(prof, acc)
             for spec in ("nightjar", "nightjar-paper", "dsd", "banditspec"):
@@ -78,7 +77,7 @@ def regret(seeds: int) -> list[dict]:
     return rows
 
 
-def closed(seeds: int = 5, profile: bool = True) -> list[dict]:
+def closed(cpu: Profile, seeds: int = 5, profile: bool = True) -> list[dict]:
     rows = []
     adaptive = ("nightjar", "nightjar-nooffload", "nightjar-paper", "dsd", "banditspec") if profile else ("nightjar",)
     print("\n## Closed loop in the simulator (measured CPU profile), adaptive / best static"
@@ -96,7 +95,7 @@ def closed(seeds: int = 5, profile: bool = True) -> list[dict]:
                                    output_mean=96, sigma=0.5, max_len=512)
                 cfg = SimConfig(gamma_max=4, seed=seed, closed_loop=n, max_num_seqs=64, max_model_len=512,
                                 planner_profile=profile)
-                sims = {p: Simulation(CPU, wl, p, cfg, acc) for p in thr}
+                sims = {p: Simulation(cpu, wl, p, cfg, acc) for p in thr}
                 res = {p: s.run() for p, s in sims.items()}
                 t200 = res["nightjar"].extra["early_t"] or res["nightjar"].sim_time_s
                 for p, s in sims.items():
@@ -156,12 +155,13 @@ def main() -> int:
     p.add_argument("--cpu-profile", choices=sorted(CPU_PROFILES), default="shared",
                    help="which measured CPU profile the regret and closed sections use")
     a = p.parse_args()
-    global CPU
-    CPU = Profile.load(str(CPU_PROFILES[a.cpu_profile]))
-    out = {}
-    for sec in a.sections.split(","):
-        out[sec] = {"regret": lambda: regret(a.seeds), "closed": closed, "phased": phased,
-                    "closed-noprofile": lambda: closed(profile=False)}[sec]()
+    cpu = Profile.load(str(CPU_PROFILES[a.cpu_profile]))
+    sections = {"regret": lambda: regret(a.seeds, cpu), "closed": lambda: closed(cpu), "phased": phased,
+                "closed-noprofile": lambda: closed(cpu, profile=False)}
+    bad = [sec for sec in a.sections.split(",") if sec not in sections]
+    if bad:
+        p.error(f"unknown section {bad[0]!r}: choose from {', '.join(sections)}")
+    out = {sec: sections[sec]() for sec in a.sections.split(",")}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -216,3 +216,17 @@ def test_step_loss_hits_are_the_heads_argmax_equal_to_the_targets_in_vocabulary(
     loss, hits = step_loss(head, a, mask, lab, torch.randn(2, 6, 4, generator=g), t2d)
     want = head.d2t[head.logits(a.reshape(12, 32)).argmax(-1)] == lab.reshape(12, 4)[:, 0]
     assert torch.isfinite(loss) and torch.equal(hits, want) and bool(hits[:6].all()) and not bool(hits[6:9].any())
+
+
+def test_the_training_cli_rejects_a_missing_corpus_and_a_bad_size_with_exit_2(tmp_path, capsys):
+    import pytest
+
+    from nightjar.training.eagle import main
+
+    corpus = tmp_path / "answers.jsonl"
+    corpus.write_text("")
+    for argv, said in ((["--corpus", str(tmp_path / "none.jsonl")], "no such file"),
+                       (["--corpus", str(corpus), "--vocab", "0"], "--vocab must be > 0")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2 and said in capsys.readouterr().err
