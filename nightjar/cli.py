@@ -137,7 +137,7 @@ def _server_args(s: argparse.ArgumentParser) -> None:
 
 
 def cmd_models(a: argparse.Namespace) -> int:
-    from nightjar.models import DEFAULT_DRAFT_DIR, hub
+    from nightjar.models import NAMED_DRAFTS, hub, shipped
 
     if a.action == "pull":
         for name in a.names or [hub.DEFAULT_MODEL]:
@@ -147,9 +147,11 @@ def cmd_models(a: argparse.Namespace) -> int:
         return 0
     for name, entry in hub.REGISTRY.items():
         state = "pulled" if hub.is_pulled(name) else "not pulled"
-        print(f"{name:16s} {state:10s} {entry.description}")
-    draft = "shipped" if (DEFAULT_DRAFT_DIR / "config.json").exists() else "missing (random draft is used)"
-    print(f"{'default draft':16s} {draft:10s} {DEFAULT_DRAFT_DIR}")
+        print(f"{name:18s} {state:10s} {entry.description}")
+    for name in ("default", "independent"):
+        d = NAMED_DRAFTS[name]
+        state = "shipped" if shipped(d) else "missing (a random draft is used)"
+        print(f"{name + ' draft':18s} {state:10s} {d}")
     return 0
 
 

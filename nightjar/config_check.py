@@ -80,10 +80,10 @@ def _planner_profile(c: EngineConfig) -> None:
 
 
 def _models(c: EngineConfig) -> None:
-    from nightjar.models import resolve_model_path
+    from nightjar.models import NAMED_DRAFTS, resolve_model_path
 
     for name, spec in (("model", c.model), ("draft", c.draft)):
-        if spec in (None, "", "none", "default", "random") and name == "draft":
+        if name == "draft" and (spec in (None, "", "none", "random") or spec in NAMED_DRAFTS):
             continue
         try:
             resolve_model_path(spec)

@@ -29,7 +29,11 @@ KERNELS_VERSION = 6
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:
     """Where the planner profile of this model, draft, dtype, quantization and device on this machine is
-    cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``)."""
+    cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``). A shipped drafter's name
+    ("default") is keyed by the drafter it names, so that another default is measured anew."""
+    from nightjar.models import NAMED_DRAFTS
+
+    draft = f"shipped:{NAMED_DRAFTS[draft].name}" if draft in NAMED_DRAFTS else draft
     root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}"

@@ -70,6 +70,17 @@ def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_mach
     assert runs[2][runs[2].index("--quantization") + 1] == "int4"       # measured with the int4 kernels
 
 
+def test_the_profile_of_a_shipped_drafter_name_is_keyed_by_the_drafter_it_names(monkeypatch, tmp_path):
+    import nightjar.models as m
+    from nightjar import profile_cache as prof
+
+    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
+    key = lambda d: prof.cache_path("smollm2-135m", d, "bfloat16")        # noqa: E731
+    assert key("default") == key("head") != key("independent") != key("none")
+    monkeypatch.setitem(m.NAMED_DRAFTS, "default", m.INDEPENDENT_DRAFT_DIR)    # another default: re-measured
+    assert key("default") == key("independent") != key("head")
+
+
 def test_generate_with_an_auto_profile_measures_then_serves(fake_measure, capsys, smollm2_path):
     from nightjar.cli import main
 

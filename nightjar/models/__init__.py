@@ -15,7 +15,11 @@ from nightjar.models.tokenizer import ChatTokenizer
 log = logging.getLogger("nightjar.models")
 
 DRAFTS_DIR = Path(__file__).parent / "drafts"
-DEFAULT_DRAFT_DIR = DRAFTS_DIR / "smollm2-135m-draft"
+HEAD_DRAFT_DIR = DRAFTS_DIR / "smollm2-135m-head"               # the EAGLE-3-style head (models/eagle.py)
+INDEPENDENT_DRAFT_DIR = DRAFTS_DIR / "smollm2-135m-draft"       # a small Llama model of its own
+# The drafters shipped for SmolLM2-135M, by name. "default" is the one that measured best on the held-out
+# split (docs/drafts.md: acceptance and single-stream speed), the head.
+NAMED_DRAFTS = {"default": HEAD_DRAFT_DIR, "head": HEAD_DRAFT_DIR, "independent": INDEPENDENT_DRAFT_DIR}
 
 
 @dataclass
@@ -86,16 +90,27 @@ def random_draft_config(target: ModelConfig) -> ModelConfig:
                        eos_token_ids=target.eos_token_ids, name="random-draft")
 
 
+def shipped(directory: Path) -> bool:
+    """Whether a shipped drafter's files are there (a model's config.json or a head's head_config.json)."""
+    return (directory / "config.json").exists() or is_head_dir(directory)
+
+
+def draft_source(spec: str | Path | None) -> str | Path | None:
+    """A draft spec with its shipped name ("default", "head", "independent") replaced by its directory; the
+    same spec otherwise ("none", "random", a path, a registered model)."""
+    return NAMED_DRAFTS.get(spec, spec) if isinstance(spec, str) else spec
+
+
 def load_draft(spec: str | Path | None, target: ModelConfig, dtype: str | torch.dtype = "bfloat16",
                device: str = "cpu", seed: int = 0) -> LoadedModel | None:
-    """``None``/"none" -> no draft; "default" -> the shipped draft (or a logged random one); else a path."""
+    """``None``/"none" -> no draft; a shipped name (NAMED_DRAFTS; "default" is the head) -> that drafter (or a
+    logged random one when its files are missing); "random" -> a random draft; else a path."""
     if spec in (None, "none", ""):
         return None
-    if spec == "default":
-        if (DEFAULT_DRAFT_DIR / "config.json").exists():
-            spec = DEFAULT_DRAFT_DIR
-        else:
+    if spec in NAMED_DRAFTS:
+        if not shipped(NAMED_DRAFTS[spec]):
             return random_draft(target, dtype, device, seed)
+        spec = NAMED_DRAFTS[spec]
     if spec == "random":
         return random_draft(target, dtype, device, seed)
     if is_head_dir(Path(spec)):
@@ -121,5 +136,5 @@ def random_draft(target: ModelConfig, dtype, device: str, seed: int) -> LoadedMo
     return LoadedModel(model, None, "random")
 
 
-__all__ = ["BatchLayout", "LlamaModel", "LoadedModel", "ModelConfig", "build_layout", "load_draft",
-           "load_model", "parse_dtype", "resolve_model_path"]
+__all__ = ["BatchLayout", "LlamaModel", "LoadedModel", "ModelConfig", "build_layout", "draft_source",
+           "load_draft", "load_model", "parse_dtype", "resolve_model_path"]

@@ -210,11 +210,14 @@ def cast_floats(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def is_draft_head(spec) -> bool:
+    """Whether a draft spec (a shipped name such as "default", or a path) names a draft head."""
     from pathlib import Path
 
+    from nightjar.models import draft_source
     from nightjar.models.eagle import is_head_dir
 
-    return spec not in (None, "none", "", "default", "random") and is_head_dir(Path(str(spec)))
+    spec = draft_source(spec)
+    return spec not in (None, "none", "", "random") and is_head_dir(Path(str(spec)))
 
 
 def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft_for=None, seed: int = 0):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from nightjar.data import training_prompts
 from nightjar.data.templated import templated_prompts
 from nightjar.kvpool.cache import KVCache
-from nightjar.models import DEFAULT_DRAFT_DIR, LlamaModel, build_layout, load_model
+from nightjar.models import INDEPENDENT_DRAFT_DIR, LlamaModel, build_layout, load_model
 from nightjar.models.config import ModelConfig
 from nightjar.models.llama import apply_rope
 from nightjar.sampling import SamplingParams
@@ -341,7 +341,7 @@ def save_draft(model: LlamaModel, directory: Path, card: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".distill", help="work dir (corpus, checkpoints)")
-    ap.add_argument("--ship", default=str(DEFAULT_DRAFT_DIR), help="where the finished draft is saved")
+    ap.add_argument("--ship", default=str(INDEPENDENT_DRAFT_DIR), help="where the finished draft is saved")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--minutes", type=float, default=75.0, help="training time budget (the shipped draft: 75)")
     ap.add_argument("--samples", type=int, default=3,

@@ -1,5 +1,6 @@
-"""The shipped draft: loads through our loader and through transformers with equal logits (fp32),
-and speculative decoding with it on the real SmolLM2 is greedy-exact."""
+"""The shipped drafters: "default" names the draft head, "independent" the small draft model, which loads
+through our loader and through transformers with equal logits (fp32); speculative decoding with either on
+the real SmolLM2 is greedy-exact."""
 from __future__ import annotations
 
 import asyncio
@@ -7,24 +8,24 @@ import asyncio
 import pytest
 import torch
 
-from nightjar.models import DEFAULT_DRAFT_DIR, load_draft
+from nightjar.models import INDEPENDENT_DRAFT_DIR, load_draft
 from nightjar.models.loader import load_weights
 from tests.models.test_llama_parity import Runner
 
 transformers = pytest.importorskip("transformers")
 
 
-def test_the_default_draft_is_shipped_small_and_shares_the_vocabulary(smollm2_fp32):
-    files = {p.name: p.stat().st_size for p in DEFAULT_DRAFT_DIR.iterdir()}
+def test_the_independent_draft_is_shipped_small_and_shares_the_vocabulary(smollm2_fp32):
+    files = {p.name: p.stat().st_size for p in INDEPENDENT_DRAFT_DIR.iterdir()}
     assert {"config.json", "model.safetensors", "README.md"} <= set(files)
     assert files["model.safetensors"] <= 40 * 1024 * 1024
-    draft = load_draft("default", smollm2_fp32.config, "float32")
+    draft = load_draft("independent", smollm2_fp32.config, "float32")
     assert draft.source != "random" and draft.config.vocab_size == smollm2_fp32.config.vocab_size == 49152
 
 
 def test_our_loader_and_transformers_give_the_same_draft_logits():
-    ours = load_weights(DEFAULT_DRAFT_DIR, torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_DRAFT_DIR, dtype=torch.float32).eval()
+    ours = load_weights(INDEPENDENT_DRAFT_DIR, torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(INDEPENDENT_DRAFT_DIR, dtype=torch.float32).eval()
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 30, 2, 198, 1, 4093, 198, 1780, 314]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
@@ -47,8 +48,8 @@ def greedy_runs(pair, policy: str, prompts: list[str], max_tokens: int = 32):
     return asyncio.run(run())
 
 
-def test_speculative_decoding_with_the_draft_is_greedy_exact_on_smollm2(smollm2_fp32):
-    draft = load_draft("default", smollm2_fp32.config, "float32")
+def test_speculative_decoding_with_the_independent_draft_is_greedy_exact_on_smollm2(smollm2_fp32):
+    draft = load_draft("independent", smollm2_fp32.config, "float32")
     prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "Explain photosynthesis briefly."]
     ref, _ = greedy_runs((smollm2_fp32, draft), "off", prompts)
     got, stats = greedy_runs((smollm2_fp32, draft), "fixed:4", prompts)
@@ -56,16 +57,38 @@ def test_speculative_decoding_with_the_draft_is_greedy_exact_on_smollm2(smollm2_
     assert stats.accepted_tokens > 0.2 * stats.draft_tokens       # a trained draft, not a random one
 
 
-def test_the_shipped_draft_head_loads_small_and_drafts_greedy_exact_on_smollm2(smollm2_fp32):
-    from nightjar.models import DRAFTS_DIR
+def test_the_default_draft_is_the_shipped_head_and_drafts_greedy_exact_on_smollm2(smollm2_fp32):
+    from nightjar.models import HEAD_DRAFT_DIR
     from nightjar.models.eagle import is_head
 
-    head_dir = DRAFTS_DIR / "smollm2-135m-head"
-    assert (head_dir / "head.safetensors").stat().st_size <= 40 * 1024 * 1024
-    head = load_draft(str(head_dir), smollm2_fp32.config, "float32")
+    assert (HEAD_DRAFT_DIR / "head.safetensors").stat().st_size <= 40 * 1024 * 1024
+    assert (HEAD_DRAFT_DIR / "README.md").exists()                          # its model card
+    head = load_draft("default", smollm2_fp32.config, "float32")
+    assert head.source == str(HEAD_DRAFT_DIR.resolve()) == load_draft("head", smollm2_fp32.config).source
     assert is_head(head.model) and head.model.hc.draft_vocab == 8192
     prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "List three primary colours."]
     ref, _ = greedy_runs((smollm2_fp32, head), "off", prompts)
     got, stats = greedy_runs((smollm2_fp32, head), "fixed:3", prompts)
     assert got == ref
     assert stats.accepted_tokens > 0.2 * stats.draft_tokens       # a trained head, fed the right features
+
+
+def test_the_default_head_stays_unquantized_when_drafts_are_quantized(smollm2_fp32):
+    from nightjar.models.eagle import is_head
+    from nightjar.models.quant import is_draft_head, load_quantized, quantized_modes
+
+    assert is_draft_head("default") and is_draft_head("head") and not is_draft_head("independent")
+    head = load_quantized("default", "float32", "cpu", "int8", draft_for=smollm2_fp32.config)
+    assert is_head(head.model) and not quantized_modes(head.model)
+    small = load_quantized("independent", "float32", "cpu", "int8", draft_for=smollm2_fp32.config)
+    assert quantized_modes(small.model) == {"int8"}
+
+
+def test_a_shipped_name_whose_files_are_missing_falls_back_to_a_logged_random_draft(monkeypatch, tmp_path, caplog,
+                                                                                     smollm2_fp32):
+    import nightjar.models as m
+
+    monkeypatch.setitem(m.NAMED_DRAFTS, "default", tmp_path / "gone")
+    with caplog.at_level("WARNING", logger="nightjar.models"):
+        draft = load_draft("default", smollm2_fp32.config, "float32")
+    assert draft.source == "random" and "RANDOMLY INITIALISED" in caplog.text
