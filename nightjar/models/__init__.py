@@ -110,7 +110,11 @@ def load_draft(spec: str | Path | None, target: ModelConfig, dtype: str | torch.
     if spec in NAMED_DRAFTS:
         if not shipped(NAMED_DRAFTS[spec]):
             return random_draft(target, dtype, device, seed)
-        spec = NAMED_DRAFTS[spec]
+        try:
+            return load_draft(NAMED_DRAFTS[spec], target, dtype, device, seed)
+        except ValueError as e:
+            raise ValueError(f"{e} (the shipped {spec!r} drafter is made for SmolLM2-135M-Instruct: use a "
+                             "draft made for this model, or none)") from None
     if spec == "random":
         return random_draft(target, dtype, device, seed)
     if is_head_dir(Path(spec)):

@@ -132,7 +132,7 @@ def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool
             tb.forward(Bs[i], qs[j])
             if r >= 2:                          # passes 0-1 warm every shape up
                 samples[(i, j)].append(time.perf_counter() - t0)
-        log(f"  target pass {r}/{reps}")
+        log(f"  target pass {r + 1}/{reps + 2} (the first 2 warm up)")
     raw = [[_stat(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
     T = monotone_grid(raw)
     pre = _quartile_time(lambda: tb.forward(1, 128, 0), reps)

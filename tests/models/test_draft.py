@@ -92,3 +92,11 @@ def test_a_shipped_name_whose_files_are_missing_falls_back_to_a_logged_random_dr
     with caplog.at_level("WARNING", logger="nightjar.models"):
         draft = load_draft("default", smollm2_fp32.config, "float32")
     assert draft.source == "random" and "RANDOMLY INITIALISED" in caplog.text
+
+
+def test_a_shipped_drafter_for_another_target_is_refused_with_a_hint():
+    from tests.conftest import tiny_config
+
+    for name in ("default", "independent"):
+        with pytest.raises(ValueError, match="made for SmolLM2-135M-Instruct: use a draft made for this model"):
+            load_draft(name, tiny_config(vocab=1000), "float32")
