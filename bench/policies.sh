@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner/elastic-memory benchmark (issue "Nightjar's core"): real SmolLM2 target + shipped draft,
+# The planner/elastic-memory benchmark (issue "Nightjar's core"): real SmolLM2 target + the default drafter,
 # bf16, a device budget where the draft is worth >= 15 % of the KV pool. Policies are compared on the
 # same arrivals, each on a fresh server, order rotated across repetitions (nightjar bench compare).
 #   bash bench/policies.sh [OUT_DIR]            (REPEATS, DURATION, LEVELS, POLICIES, PROFILE override; TRACE=0 skips
@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:-out/policies}
 mkdir -p "$OUT"
 PY=${PYTHON:-.venv/bin/python}
-# 575 MB: target 269 MB + draft 31 MB weights + ~700 blocks of (368 KB target + 24 KB draft) KV
+# 575 MB: with the default draft (the head) resident the target's KV pool holds 525 blocks, 676 without it
+# (`max KV blocks` of bench compare, 2026-12-02)
 MEM=${MEM:-575000000}
 # The planner reads this machine's measured step-time profile (--planner-profile auto: measured once,
 # about 35 s, then cached); PROFILE=none runs it on the generic prior instead.
