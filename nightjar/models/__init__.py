@@ -95,12 +95,6 @@ def shipped(directory: Path) -> bool:
     return (directory / "config.json").exists() or is_head_dir(directory)
 
 
-def draft_source(spec: str | Path | None) -> str | Path | None:
-    """A draft spec with its shipped name ("default", "head", "independent") replaced by its directory; the
-    same spec otherwise ("none", "random", a path, a registered model)."""
-    return NAMED_DRAFTS.get(spec, spec) if isinstance(spec, str) else spec
-
-
 def load_draft(spec: str | Path | None, target: ModelConfig, dtype: str | torch.dtype = "bfloat16",
                device: str = "cpu", seed: int = 0) -> LoadedModel | None:
     """``None``/"none" -> no draft; a shipped name (NAMED_DRAFTS; "default" is the head) -> that drafter (or a
@@ -140,5 +134,5 @@ def random_draft(target: ModelConfig, dtype, device: str, seed: int) -> LoadedMo
     return LoadedModel(model, None, "random")
 
 
-__all__ = ["BatchLayout", "LlamaModel", "LoadedModel", "ModelConfig", "build_layout", "draft_source",
-           "load_draft", "load_model", "parse_dtype", "resolve_model_path"]
+__all__ = ["BatchLayout", "LlamaModel", "LoadedModel", "ModelConfig", "build_layout", "load_draft",
+           "load_model", "parse_dtype", "resolve_model_path"]

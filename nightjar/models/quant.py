@@ -213,10 +213,10 @@ def is_draft_head(spec) -> bool:
     """Whether a draft spec (a shipped name such as "default", or a path) names a draft head."""
     from pathlib import Path
 
-    from nightjar.models import draft_source
+    from nightjar.models import NAMED_DRAFTS
     from nightjar.models.eagle import is_head_dir
 
-    spec = draft_source(spec)
+    spec = NAMED_DRAFTS.get(spec, spec)                 # a shipped name -> its directory
     return spec not in (None, "none", "", "random") and is_head_dir(Path(str(spec)))
 
 

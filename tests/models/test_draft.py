@@ -1,6 +1,6 @@
-"""The shipped drafters: "default" names the draft head, "independent" the small draft model, which loads
-through our loader and through transformers with equal logits (fp32); speculative decoding with either on
-the real SmolLM2 is greedy-exact."""
+"""The shipped drafters: "default" names the draft head, "independent" the small draft model (whose logits
+through our loader equal transformers', fp32); speculative decoding with either on the real SmolLM2 is
+greedy-exact."""
 from __future__ import annotations
 
 import asyncio
