@@ -43,6 +43,8 @@ class KVCache:
         self._bufs: tuple[torch.Tensor, ...] | None = None   # gather scratch (``_scratch``)
         self._store: torch.Tensor | None = None              # _shape(num_blocks + reserve)
         self._base: torch.Tensor | None = None               # every block at its global id (``_refresh``)
+        self._layers: list[torch.Tensor] = []                # per layer: ``_base[layer]`` (views made once)
+        self._slots: list[torch.Tensor] = []                 # per layer: ``_base[layer]`` by slot (``_slot_view``)
         if num_blocks > 0 and reserve_blocks > 0:
             self._store = torch.empty(self._shape(num_blocks + reserve_blocks), dtype=dtype, device=self.device)
         if num_blocks > 0:
@@ -92,11 +94,14 @@ class KVCache:
             self._base = self._store
         else:
             self._base = None
+        base = self._base
+        self._layers = [] if base is None else list(base.unbind(0))
+        self._slots = [self._slot_view(x) for x in self._layers]
 
     def _whole(self, layer: int) -> torch.Tensor | None:
         """``_base`` of one layer ([2, nkv, n, bs, d] or [2, n, bs, nkv, d]), or None when the pool is
-        several tensors."""
-        return None if self._base is None else self._base[layer]
+        several tensors (views made once per layout change: indexing per layer per step costs µs each)."""
+        return self._layers[layer] if self._layers else None
 
     def drop_last_segment(self) -> int:
         if len(self.segments) <= 1:
@@ -105,32 +110,30 @@ class KVCache:
         self._refresh()
         return n
 
-    def _slot_view(self, data: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
-        """One layer's K or V by slot: [nkv, n*bs, d] head-major, [n*bs, nkv, d] block-major."""
+    def _slot_view(self, layer_data: torch.Tensor) -> torch.Tensor:
+        """One layer's K and V by slot: [2, nkv, n*bs, d] head-major, [2, n*bs, nkv, d] block-major."""
         nkv, d = self.num_kv_heads, self.head_dim
-        return data[layer, kv].view(nkv, -1, d) if self.head_major else data[layer, kv].view(-1, nkv, d)
+        return layer_data.view(2, nkv, -1, d) if self.head_major else layer_data.view(2, -1, nkv, d)
 
-    def _put(self, data: torch.Tensor, layer: int, kv: int, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """x [T, nkv, d] into ``slots`` [T] of one segment-shaped tensor."""
+    def _put(self, by_slot: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, nkv, d] into ``slots`` [T] of one layer's ``_slot_view``, in one copy."""
+        kv = torch.stack((k, v))                                                # [2, T, nkv, d]
         if self.head_major:
-            self._slot_view(data, layer, kv).index_copy_(1, slots, x.transpose(0, 1))
+            by_slot.index_copy_(2, slots, kv.transpose(1, 2))
         else:
-            self._slot_view(data, layer, kv).index_copy_(0, slots, x)
+            by_slot.index_copy_(1, slots, kv)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v [T, nkv, d] into global slots [T]."""
-        if self._base is not None:
-            self._put(self._base, layer, 0, slots, k)
-            self._put(self._base, layer, 1, slots, v)
+        if self._slots:
+            self._put(self._slots[layer], slots, k, v)
             return
         bs = self.block_size
         for seg in self.segments:
             lo, hi = seg.start * bs, (seg.start + seg.num_blocks) * bs
             sel = ((slots >= lo) & (slots < hi)).nonzero().squeeze(1)           # [t]
             if sel.numel():
-                local = slots[sel] - lo
-                self._put(seg.data, layer, 0, local, k[sel])
-                self._put(seg.data, layer, 1, local, v[sel])
+                self._put(self._slot_view(seg.data[layer]), slots[sel] - lo, k[sel], v[sel])
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read blocks [B, nb] -> k, v [B, nb*bs, nkv, d] (views of ``gather_heads``' buffers when
@@ -157,10 +160,9 @@ class KVCache:
         flat = block_tables.reshape(-1)                                         # [B*nb]
         d = self._whole(layer)                                                  # [2, nkv, n, bs, d]
         if d is not None:
-            _, k, v = self._scratch(flat.numel())                               # [nkv, B*nb, bs, d] each
-            for h in range(self.num_kv_heads):
-                torch.index_select(d[0, h], 0, flat, out=k[h])
-                torch.index_select(d[1, h], 0, flat, out=v[h])
+            kv = self._scratch(flat.numel(), pair=True)                         # [2, nkv, B*nb, bs, d]
+            torch.index_select(d, 2, flat, out=kv)                              # whole blocks, one call
+            k, v = kv.unbind(0)
         else:
             k, v = self._gather_segmented(layer, block_tables)
         shape = (self.num_kv_heads, B, nb * self.block_size, self.head_dim)
@@ -194,16 +196,19 @@ class KVCache:
                 torch.index_select(b_h, 0, inv, out=out_h)
         return k, v
 
-    def _scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _scratch(self, n: int, pair: bool = False):
         """Three contiguous buffers of n blocks ([nkv, n, bs, d] head-major, [n, bs, nkv, d] block-major),
-        carved from reused flat storage grown as needed: fresh 8 MB tensors per layer cost more in
-        first-touch page faults than the copies into them."""
+        carved from reused storage grown as needed: fresh 8 MB tensors per layer cost more in first-touch
+        page faults than the copies into them. The last two (K, V) are adjacent: with ``pair`` they come as
+        one [2, ...] tensor."""
         bs, nkv, d = self.block_size, self.num_kv_heads, self.head_dim
         size = n * bs * nkv * d
         if self._bufs is None or self._bufs[0].numel() < size:
-            self._bufs = tuple(torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(3))
+            self._bufs = (torch.empty(size, dtype=self.dtype, device=self.device),
+                          torch.empty(2 * size, dtype=self.dtype, device=self.device))
         shape = (nkv, n, bs, d) if self.head_major else (n, bs, nkv, d)
-        return tuple(b[:size].view(shape) for b in self._bufs)
+        kv = self._bufs[1][: 2 * size].view(2, *shape)
+        return kv if pair else (self._bufs[0][:size].view(shape), kv[0], kv[1])
 
     def _locate(self, block: int) -> tuple[int, int]:
         """(segment index, local block id) of a global block id."""

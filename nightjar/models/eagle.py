@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from nightjar.models.config import ModelConfig
-from nightjar.models.llama import MLP, Attention, BatchLayout, RMSNorm, rope_inv_freq
+from nightjar.models.llama import MLP, Attention, BatchLayout, RMSNorm, rope_inv_freq, signed_sin
 
 HEAD_FILE, HEAD_CONFIG = "head.safetensors", "head_config.json"
 
@@ -136,6 +136,7 @@ class DraftHead(nn.Module):
         """Paged inference: emb/g [T, H] for the layout's tokens -> (a [T, H], logits [N, Vd] fp32 of
         ``lay.logits_index`` rows)."""
         cos, sin = self.rope(lay.positions)
+        sin = signed_sin(sin)                                     # the form Attention.forward takes
         a = self.block(emb, g, lambda x2: self.self_attn(x2, cos, sin, lay, cache))
         return a, self.logits(a[lay.logits_index])
 

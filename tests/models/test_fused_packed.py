@@ -136,3 +136,15 @@ async def test_a_mirrored_packed_draft_survives_release_and_reload_exactly():
 
 def cache_bytes(host) -> int:
     return sum(t.numel() * t.element_size() for t in host.kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_signed_rope_gives_the_rotate_half_numbers_exactly(dtype):
+    """The forward's rope (sign folded into the sine, a roll for rotate-half) equals HF's formula bit for bit."""
+    from nightjar.models.llama import apply_rope, apply_rope_signed, signed_sin
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5, 64, generator=g).to(dtype)                               # [T, heads, d]
+    ang = torch.rand(7, 1, 64, generator=g) * 6.0
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    assert torch.equal(apply_rope_signed(x, cos, signed_sin(sin)), apply_rope(x, cos, sin))
