@@ -1,5 +1,6 @@
 """Planner cost per decision (issue 13 budget: <= 20 µs, pure Python): decide() and observe() separately.
-``nightjar:per-request`` is timed on decide_rows() (one γ_i per row, B cycling 1..64, mean 32.5 rows).
+``nightjar:per-request`` is timed on decide_rows() (one γ_i per row, B cycling 1..64, mean 32.5 rows);
+``nightjar:harmonic`` on decide() with the rows' ids (it reads each row's own acceptance).
 
   python bench/planner_cost.py [--calls 20000] [--policies nightjar,nightjar-paper,dsd] [--repeats 3]
 
@@ -14,6 +15,7 @@ import argparse
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from nightjar.actors.policies import PlannerState
@@ -30,13 +32,17 @@ def warmed(spec: str, prof: Profile):
     env, rng = PlannerEnv(prof, WEAK), random.Random(0)
     results = []
     rows = getattr(pol, "per_request", False)
+    harmonic = getattr(pol, "harmonic", False)
     for t in range(2000):
         b = 1 + (t * 7) % 64
+        ids = tuple((t // 8 + i) % 128 for i in range(b))
         if rows:                 # per-request: per-row γ_i, and per-request acceptance from 128 live ids
-            ids = tuple((t // 8 + i) % 128 for i in range(b))
             gam = pol.decide_rows(b, PlannerState(True, 0, 1, lag_tokens=0), ids, (True,) * b)
             g = max(gam)
             pol.observe_rows(ids, gam, tuple(min(x, rng.randint(0, 4)) for x in gam))
+        elif harmonic:           # one γ, per-request acceptance from the same ids
+            g = pol.decide(b, PlannerState(True, 0, 1, lag_tokens=0, req_ids=ids, speculate=(True,) * b))
+            pol.observe_rows(ids, (g,) * b, tuple(min(g, rng.randint(0, 4)) for _ in ids))
         else:
             g = pol.decide(b, PlannerState(True, 0, 1, lag_tokens=0))
         r = env.step(b, g, rng)
@@ -50,6 +56,9 @@ def time_calls(pol, results, calls: int) -> tuple[float, float]:
                            new_prompts=i % 2, num_waiting=i % 3, free_blocks=i % 50, total_blocks=700,
                            draft_blocks=120, max_batch=64) for i in range(64)]
     sizes = [1 + (i * 13) % 64 for i in range(64)]
+    if getattr(pol, "harmonic", False):
+        states = [replace(st, req_ids=tuple((j * 5 + i) % 128 for i in range(sizes[j])), speculate=(True,) * sizes[j])
+                  for j, st in enumerate(states)]
     t0 = time.perf_counter()
     if getattr(pol, "per_request", False):
         ids = [tuple((j * 5 + i) % 128 for i in range(sizes[j])) for j in range(64)]

@@ -17,7 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=d.policy,
                    help="speculation policy: nightjar, nightjar-nooffload, nightjar-paper, off, fixed:K, "
                         "table:..., dsd, banditspec; nightjar[-nooffload]:per-request gives each request "
-                        "its own draft length per step (docs/planner.md)")
+                        "its own draft length per step, nightjar[-nooffload]:harmonic prices one draft length "
+                        "by each request's own acceptance (docs/planner.md)")
     g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="largest number of draft tokens per step")
     g.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
     g.add_argument("--quantization", default=d.quantization, choices=["none", "int8", "int4"],

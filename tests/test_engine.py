@@ -287,7 +287,8 @@ def test_greedy_tokens_do_not_depend_on_block_size_or_placement(make_engine, smo
     assert asyncio.run(fragmented()) == ref
 
 
-@pytest.mark.parametrize("policy", ["dsd", "banditspec", "table:mlc", "nightjar", "nightjar-nooffload"])
+@pytest.mark.parametrize("policy", ["dsd", "banditspec", "table:mlc", "nightjar", "nightjar-nooffload",
+                                    "nightjar:harmonic"])
 def test_adaptive_policies_are_greedy_exact_too(make_engine, smol_tokenizer, policy):
     prompts = prompts_of_mixed_length(smol_tokenizer, 12)
     params = SamplingParams(max_tokens=30, ignore_eos=True)

@@ -120,6 +120,23 @@ def test_a_simulated_mixed_workload_records_per_row_gammas_that_replay_reproduce
     assert res.ok, res.summary()
 
 
+def test_a_simulated_harmonic_run_replays_with_zero_divergence(tmp_path):
+    """``nightjar:harmonic`` reads per-request acceptance learned from StepVerified: replay rebuilds it."""
+    from nightjar.actors.step_profile import roofline_profile
+    from nightjar.offline.sim.executors import AcceptanceMix
+    from nightjar.offline.sim.workload import make_workload
+    from nightjar.offline.simulate import SimConfig, simulate
+
+    path = tmp_path / "harmonic.njtrace"
+    wl = make_workload("poisson:1", seed=0, num_requests=40, prompt_mean=64, output_mean=48, sigma=0.5, max_len=512)
+    r = simulate(roofline_profile("a100", "13b"), wl, "nightjar:harmonic",
+                 SimConfig(gamma_max=4, closed_loop=16, max_model_len=512), AcceptanceMix.parse("0.5:0.9;0.5:0.1"),
+                 trace=str(path))
+    assert r.finished == 40 and r.mean_gamma > 0
+    res = replay_file(str(path))
+    assert res.ok, res.summary()
+
+
 def test_per_request_acceptance_fitted_from_a_trace_recovers_the_request_classes(tmp_path):
     """A simulated run with two synthetic classes, recorded; AcceptanceMix.from_trace (what
     ``nightjar simulate --acceptance-mix trace:FILE`` uses) finds each request's class again."""

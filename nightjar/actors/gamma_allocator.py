@@ -146,6 +146,37 @@ class RequestAcceptance:
         return out
 
 
+    def inverse_e_sums(self, rids, speculate, shared: list[float], top: int) -> list[float]:
+        """Σ over rows of 1 / E_i(γ) for γ = 0..top, E_i(γ) = 1 + Σ_{k≤γ} g_k with ``gains``' g_k (a row
+        that may not draft has E_i = 1): ``gains_rows`` folded into one pass, for ``nightjar:harmonic``."""
+        out = [0.0] * (top + 1)
+        w, g, acc_of, n_of = self.w, self.g, self.acc, self.n
+        fresh, p, e = [], 1.0, 1.0
+        for i in range(top):
+            p *= shared[i]
+            e += p
+            fresh.append(1.0 / e)
+        for rid, sp in zip(rids, speculate):
+            out[0] += 1.0
+            acc = acc_of.get(rid) if sp else None
+            if acc is None:
+                for i in range(top):
+                    out[i + 1] += fresh[i] if sp else 1.0
+                continue
+            n = n_of[rid]
+            e_sum = 0.0
+            for i in range(g):
+                e_sum += n[i] * shared[i]
+            scale = (sum(acc) + w) / (e_sum + w)
+            p, e = 1.0, 1.0
+            for i in range(top):
+                r = shared[i] * scale
+                p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
+                e += p
+                out[i + 1] += 1.0 / e
+        return out
+
+
 class Allocation:
     """The allocator's answer: γ_i per row and its predicted seconds per expected token."""
 

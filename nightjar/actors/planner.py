@@ -9,6 +9,7 @@ previous step's reservation.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 from nightjar.actors.policies import PlannerState
@@ -41,6 +42,8 @@ class Planner(Actor):
         self.prompt_len: dict[int, int] = {}     # req_id → tokens the target prefilled before decoding
         self.pending = (0, 0)                     # new prompts (tokens, count) not yet shown to the policy
         self.per_request = bool(getattr(self.policy, "per_request", False))
+        self.row_stats = bool(getattr(self.policy, "observes_rows", False))   # per-request acceptance
+        self.speculating: dict[int, tuple[bool, ...]] = {}   # step → its decode rows' speculate (batch γ)
 
     def handle(self, msg, now):
         match msg:
@@ -52,14 +55,22 @@ class Planner(Actor):
                 return [StepPlanned(step=msg.step, gamma=g)]
             case StepTimed():
                 self._observe(msg)
-            case StepVerified() if self.per_request and msg.gammas:
-                nd = msg.num_decode
-                self.policy.observe_rows(msg.req_ids[:nd], msg.gammas, msg.accepted[:nd])
+            case StepVerified() if self.row_stats:
+                self._observe_rows(msg)
             case BlocksReserved():
                 self.free_blocks, self.total_blocks = msg.num_free, msg.num_total
             case DraftResidency():
                 self.resident = msg.resident
         return None
+
+    def _observe_rows(self, v: StepVerified) -> None:
+        """Per-request acceptance: the rows' own γ_i, or (one γ per step) γ for the rows that could draft."""
+        nd, spec = v.num_decode, self.speculating.pop(v.step, None)
+        gammas = v.gammas
+        if not gammas and v.gamma > 0 and spec is not None:
+            gammas = tuple(v.gamma if sp else 0 for sp in spec)
+        if gammas:
+            self.policy.observe_rows(v.req_ids[:nd], gammas, v.accepted[:nd])
 
     def _new_prompts(self, s: StepScheduled) -> tuple[int, int]:
         """Record prompts whose prefill finishes this step: (tokens, count)."""
@@ -74,7 +85,7 @@ class Planner(Actor):
         if len(self.prompt_len) > 4 * (len(s.req_ids) + 64):     # forget finished requests
             live = set(s.req_ids)
             self.prompt_len = {r: p for r, p in self.prompt_len.items() if r in live}
-            if self.per_request:
+            if self.row_stats:
                 self.policy.req_accept.forget(live)
         return tok, n
 
@@ -114,6 +125,12 @@ class Planner(Actor):
                              new_prompts=new_n, num_waiting=s.num_waiting, free_blocks=self.free_blocks,
                              total_blocks=self.total_blocks, draft_blocks=self.draft_blocks,
                              max_batch=self.max_batch)
+        if self.row_stats and not self.per_request:
+            nd = s.num_decode
+            state = replace(state, req_ids=s.req_ids[:nd], speculate=s.speculate[:nd])
+            self.speculating[s.step] = state.speculate
+            if len(self.speculating) > 64:                      # steps that never verified (aborted)
+                self.speculating.pop(next(iter(self.speculating)))
         if self.per_request:
             lags = self._row_lags(s) if s.max_draft_lag >= 2 else None
             return self.policy.decide_rows(s.num_decode, state, s.req_ids, s.speculate, lags)

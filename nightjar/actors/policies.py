@@ -83,6 +83,8 @@ class PlannerState:
     total_blocks: int = 0
     draft_blocks: int = 0         # KV blocks the pool gains when the draft is offloaded
     max_batch: int = 1 << 30
+    req_ids: tuple[int, ...] = ()      # decode rows (only for a policy that ``observes_rows``)
+    speculate: tuple[bool, ...] = ()   # per decode row: may it draft
 
 
 # ---------------------------------------------------------------- helpers

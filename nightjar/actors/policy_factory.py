@@ -38,14 +38,14 @@ def _make_fixed(arg: str, gamma_max: int) -> FixedPolicy:
 
 
 def _make_nightjar(name: str, gamma_max: int, seed: int, opts: dict, suffix: str = "") -> Policy:
-    """``nightjar`` / ``nightjar-nooffload`` (model-based; ``:per-request`` gives each row its own γ_i)
-    or ``nightjar-paper`` (bin-greedy)."""
+    """``nightjar`` / ``nightjar-nooffload`` (model-based; ``:per-request`` gives each row its own γ_i,
+    ``:harmonic`` prices one γ by the rows' own acceptance) or ``nightjar-paper`` (bin-greedy)."""
     if name == "nightjar-paper":
         check_opts(name, opts, NIGHTJAR_PAPER_OPTS)
         return NightjarPaperPolicy(gamma_max, seed, **opts)
     check_opts(name, opts, MODEL_OPTS)
     if suffix:
-        opts = {**opts, "per_request": True}
+        opts = {**opts, ("harmonic" if suffix == "harmonic" else "per_request"): True}
     p = ModelNightjarPolicy(gamma_max, seed, **opts)
     if name == "nightjar-nooffload":
         p.name, p.elastic_memory = name, False
@@ -59,8 +59,8 @@ def make_policy(spec: str, gamma_max: int = 4, seed: int = 0, **opts: Any) -> Po
     head, sep, arg = spec.strip().partition(":")
     head = _ALIASES.get(head.strip().lower(), head.strip().lower())
     suffix = arg.strip().lower()
-    if head in ("nightjar", "nightjar-nooffload") and sep and suffix != "per-request":
-        raise ValueError(f"policy {head!r} takes only ':per-request' (got {spec!r})")
+    if head in ("nightjar", "nightjar-nooffload") and sep and suffix not in ("per-request", "harmonic"):
+        raise ValueError(f"policy {head!r} takes only ':per-request' or ':harmonic' (got {spec!r})")
     if head not in ("fixed", "table", "nightjar", "nightjar-nooffload") and sep:
         raise ValueError(f"policy {head!r} takes no ':' argument (got {spec!r})")
     if head == "off":

@@ -59,7 +59,10 @@ __all__ = ["AcceptanceModel", "ModelNightjarPolicy", "MODEL_OPTS", "load_profile
 MODEL_OPTS = ("profile", "z", "z_accept", "model_sd", "noise_floor", "arm_discount", "stale_discount", "level_rate",
               "accept_window", "rho_prior", "cusum_k", "cusum_h", "cusum_keep", "hysteresis",
               "dwell0", "switch_cost", "prompt_charge", "kv_cost", "prior_weight", "hysteresis_onoff",
-              "per_request")
+              "per_request", "harmonic")
+
+
+HARMONIC_ROWS = 16          # rows ``nightjar:harmonic`` reads per decision (a stride sample beyond)
 
 
 def load_profile(profile: Any):
@@ -207,7 +210,8 @@ class ModelNightjarPolicy(Policy):
                  level_rate: float = 0.2, accept_window: float = 400.0, rho_prior: float = 0.5,
                  cusum_k: float = 0.5, cusum_h: float = 8.0, cusum_keep: float = 0.2, hysteresis: float = 0.02,
                  hysteresis_onoff: float = 0.04, dwell0: float = 64.0, switch_cost: bool = True,
-                 prompt_charge: bool = True, kv_cost: bool = True, per_request: bool = False) -> None:
+                 prompt_charge: bool = True, kv_cost: bool = True, per_request: bool = False,
+                 harmonic: bool = False) -> None:
         super().__init__(gamma_max)
         if not 0.0 < arm_discount <= 1.0 or not 0.0 < level_rate <= 1.0 or (model_sd or 1) <= 0 or z < 0:
             raise ValueError("nightjar: arm_discount and level_rate in (0, 1], model_sd > 0, z >= 0")
@@ -238,6 +242,7 @@ class ModelNightjarPolicy(Policy):
         self.last_explore = False
         self.decisions = self.kv_decisions = 0
         self.per_request = bool(per_request)     # γ_i per row (``decide_rows``); else one γ per step
+        self.harmonic = bool(harmonic) and not self.per_request   # one γ, priced by rows' own rates
         self.req_accept = RequestAcceptance(gamma_max)
         self._tt: list[list[float]] = []         # target(n, q) for q = 0..Γmax+1, per n (per-row allocator)
         self._dt: list[float] = []               # draft(n)
@@ -391,6 +396,27 @@ class ModelNightjarPolicy(Policy):
             out.append((lvl * base * mean, math.sqrt(mk2 + nv * w) / (k + w)))
         return out
 
+    @property
+    def observes_rows(self) -> bool:
+        """Whether the planner should feed per-request acceptance (``observe_rows``) and the rows' ids."""
+        return self.per_request or self.harmonic
+
+    def _rows_e(self, state: PlannerState) -> list[float]:
+        """``harmonic``: per γ, the harmonic mean over the decode rows of each row's own expected tokens
+        E_i⁺(γ) (per-request rates shrunk toward the shared optimistic ones; a row that may not draft has
+        E_i = 1). A request needs L / E_i steps, so the time to serve the rows is Σ_i 1/E_i, not B / mean E_i:
+        with a mix of easy and hard requests a deep γ finishes the easy ones sooner and leaves the batch
+        to the hard ones, which the arithmetic mean of the rows present does not see. Over at most
+        ``HARMONIC_ROWS`` rows (every k-th): the planner runs every step."""
+        G = self.gamma_max
+        ids, spec = state.req_ids, state.speculate
+        k = -(-len(ids) // HARMONIC_ROWS)
+        if k > 1:
+            ids, spec = ids[::k], spec[::k]
+        inv = self.req_accept.inverse_e_sums(ids, spec, self.accept.rate_hi, G)
+        n = inv[0]
+        return [n / x for x in inv]
+
     # ------------------------------------------------------------ decide
     def decide(self, batch_size: int, state: PlannerState) -> int:
         """Optimistic argmin of seconds per token, kept unless clearly beaten (hysteresis)."""
@@ -398,7 +424,8 @@ class ModelNightjarPolicy(Policy):
             return 0
         b, c = batch_size, bucket(batch_size)
         arms, row = self._ctx(c), self.base_row(b)
-        e_hi, z = self.accept.e_hi, self.z
+        z = self.z
+        e_hi = self._rows_e(state) if self.harmonic and state.req_ids else self.accept.e_hi
         extra = self._extras(state)
         ts = self._times(arms, row)
         if self.profile is None:
