@@ -145,7 +145,6 @@ class RequestAcceptance:
             out.append(row)
         return out
 
-
     def inverse_e_sums(self, rids, speculate, shared: list[float], top: int) -> list[float]:
         """Σ over rows of 1 / E_i(γ) for γ = 0..top, E_i(γ) = 1 + Σ_{k≤γ} g_k with ``gains``' g_k (a row
         that may not draft has E_i = 1): ``gains_rows`` folded into one pass, for ``nightjar:harmonic``."""
