@@ -121,57 +121,36 @@ class RequestAcceptance:
         for i in range(top):
             p *= shared[i]
             fresh.append(p)
-        w, g, acc_of, n_of = self.w, self.g, self.acc, self.n
-        rng = range(top)
-        out = []
+        acc_of, out = self.acc, []
         for rid, sp in zip(rids, speculate):
-            if not sp:
-                out.append([])
-                continue
-            acc = acc_of.get(rid)
-            if acc is None:
-                out.append(fresh)
-                continue
-            n = n_of[rid]
-            e_sum = 0.0
-            for i in range(g):
-                e_sum += n[i] * shared[i]
-            scale = (sum(acc) + w) / (e_sum + w)
-            row, p = [], 1.0
-            for i in rng:
-                r = shared[i] * scale
-                p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
-                row.append(p)
-            out.append(row)
+            acc = acc_of.get(rid) if sp else None
+            out.append(([] if not sp else fresh) if acc is None else self._own(acc, self.n[rid], shared, top))
         return out
+
+    def _own(self, acc: list[float], n: list[float], shared: list[float], top: int) -> list[float]:
+        """One tracked request's g_k = Π_{j≤k} ρ_{r,j}, k = 1..top (see ``gains``)."""
+        w = self.w
+        e_sum = 0.0
+        for i in range(self.g):
+            e_sum += n[i] * shared[i]
+        scale = (sum(acc) + w) / (e_sum + w)
+        row, p = [], 1.0
+        for i in range(top):
+            r = shared[i] * scale
+            p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
+            row.append(p)
+        return row
 
     def inverse_e_sums(self, rids, speculate, shared: list[float], top: int) -> list[float]:
         """Σ over rows of 1 / E_i(γ) for γ = 0..top, E_i(γ) = 1 + Σ_{k≤γ} g_k with ``gains``' g_k (a row
-        that may not draft has E_i = 1): ``gains_rows`` folded into one pass, for ``nightjar:harmonic``."""
+        that may not draft has E_i = 1), for ``nightjar:harmonic``."""
         out = [0.0] * (top + 1)
-        w, g, acc_of, n_of = self.w, self.g, self.acc, self.n
-        fresh, p, e = [], 1.0, 1.0
-        for i in range(top):
-            p *= shared[i]
-            e += p
-            fresh.append(1.0 / e)
-        for rid, sp in zip(rids, speculate):
+        for row in self.gains_rows(rids, speculate, shared, top):
             out[0] += 1.0
-            acc = acc_of.get(rid) if sp else None
-            if acc is None:
-                for i in range(top):
-                    out[i + 1] += fresh[i] if sp else 1.0
-                continue
-            n = n_of[rid]
-            e_sum = 0.0
-            for i in range(g):
-                e_sum += n[i] * shared[i]
-            scale = (sum(acc) + w) / (e_sum + w)
-            p, e = 1.0, 1.0
+            e = 1.0
             for i in range(top):
-                r = shared[i] * scale
-                p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
-                e += p
+                if row:
+                    e += row[i]
                 out[i + 1] += 1.0 / e
         return out
 
