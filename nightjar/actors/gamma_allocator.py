@@ -141,19 +141,6 @@ class RequestAcceptance:
             row.append(p)
         return row
 
-    def inverse_e_sums(self, rids, speculate, shared: list[float], top: int) -> list[float]:
-        """Σ over rows of 1 / E_i(γ) for γ = 0..top, E_i(γ) = 1 + Σ_{k≤γ} g_k with ``gains``' g_k (a row
-        that may not draft has E_i = 1), for ``nightjar:harmonic``."""
-        out = [0.0] * (top + 1)
-        for row in self.gains_rows(rids, speculate, shared, top):
-            out[0] += 1.0
-            e = 1.0
-            for i in range(top):
-                if row:
-                    e += row[i]
-                out[i + 1] += 1.0 / e
-        return out
-
 
 class Allocation:
     """The allocator's answer: γ_i per row and its predicted seconds per expected token."""

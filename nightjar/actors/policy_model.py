@@ -413,9 +413,15 @@ class ModelNightjarPolicy(Policy):
         k = -(-len(ids) // HARMONIC_ROWS)
         if k > 1:
             ids, spec = ids[::k], spec[::k]
-        inv = self.req_accept.inverse_e_sums(ids, spec, self.accept.rate_hi, G)
-        n = inv[0]
-        return [n / x for x in inv]
+        inv = [0.0] * (G + 1)                       # Σ_i 1 / E_i(γ)
+        for row in self.req_accept.gains_rows(ids, spec, self.accept.rate_hi, G):
+            e = 1.0
+            inv[0] += 1.0
+            for g in range(G):
+                if row:                             # [] = may not draft: E_i = 1
+                    e += row[g]
+                inv[g + 1] += 1.0 / e
+        return [inv[0] / x for x in inv]
 
     # ------------------------------------------------------------ decide
     def decide(self, batch_size: int, state: PlannerState) -> int:

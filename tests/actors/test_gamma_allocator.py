@@ -307,16 +307,18 @@ def test_requests_that_differ_only_by_chance_are_shrunk_to_the_shared_rate_and_d
     assert max(spread) - min(spread) < 0.12           # one class: γ_i stays close to the batch-level choice
 
 
-def test_the_one_pass_inverse_sums_equal_the_gains_of_every_row():
-    ra, rng = RequestAcceptance(G), random.Random(3)
+def test_the_harmonic_expected_tokens_of_a_batch_with_history_unseen_and_non_drafting_rows():
+    pol, rng = make_policy("nightjar:harmonic", gamma_max=G, profile=CPU), random.Random(3)
+    ra = pol.req_accept
     for _ in range(40):
         gam = tuple(rng.randint(0, G) for _ in range(6))
         ra.observe(tuple(range(6)), gam, tuple(rng.randint(0, g) for g in gam))
-    ids, spec, shared = (0, 1, 2, 3, 4, 5, 99), (True, True, False, True, True, True, True), [0.7, 0.6, 0.5, 0.4]
+    ids, spec = (0, 1, 2, 3, 4, 5, 99), (True, True, False, True, True, True, True)
     want = [0.0] * (G + 1)
-    for row in ra.gains_rows(ids, spec, shared, G):
+    for row in ra.gains_rows(ids, spec, pol.accept.rate_hi, G):
         e = 1.0
         for g in range(G + 1):
             e += row[g - 1] if g and row else 0.0
             want[g] += 1.0 / e
-    assert ra.inverse_e_sums(ids, spec, shared, G) == pytest.approx(want)
+    got = pol._rows_e(PlannerState(True, 0, 1, req_ids=ids, speculate=spec))
+    assert got == pytest.approx([len(ids) / x for x in want])
