@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.nightjar-installed
 PYTEST_ARGS ?=
 
 .PHONY: test lint serve venv models bench clean draft-head
+# `python -m nightjar.models.cpu_fused` builds the fused CPU ops once per machine (~20 s; a no-op after)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +25,12 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m nightjar models pull --quiet
+	$(PY) -m nightjar.models.cpu_fused
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(PY) -m nightjar models pull
+	$(PY) -m nightjar.models.cpu_fused
 	$(PY) -m nightjar serve
 
 bench: $(STAMP)

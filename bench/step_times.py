@@ -1,13 +1,15 @@
 """Median target step time T(B, q) at a fixed context, beside the memory-bandwidth floor.
 
     python bench/step_times.py [--model smollm2-135m] [--dtype bfloat16] [--context 256] [--reps 7]
-                               [--variants served] [--batches 1,4,16] [--queries 1,5]
+                               [--variants served,torch] [--batches 1,4,16] [--queries 1,5]
 
 Variants, all built from the same checkpoint and timed interleaved (call by call, round robin) so that a
 noisy machine slows them alike:
   plain   separate q/k/v and gate/up projections, plain ``F.linear`` (the engine before fusion)
   fused   q/k/v and gate/up fused into one GEMM each
-  served  what the engine serves: fused, plus oneDNN-packed weights on a bf16 CPU (models/cpu_linear.py)
+  served  what the engine serves: fused, plus oneDNN-packed weights on a bf16 CPU (models/cpu_linear.py) and, on
+          CPU, the fused C++ ops for norms, rope + KV store, attention and SiLU·up (models/cpu_fused.py)
+  torch   ``served`` with torch ops in place of the fused C++ ops (the CPU engine before them)
 With several variants the table prints each one's median and its ratio to the first.
 
 The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);
@@ -26,7 +28,7 @@ from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
 
-VARIANTS = ("plain", "fused", "served")
+VARIANTS = ("plain", "fused", "served", "torch")
 
 
 def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
@@ -58,8 +60,9 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
     models = {}
     for name in names:
         model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
-        if name == "served":
+        if name in ("served", "torch"):
             model.pack_cpu_weights()
+        model.select_kernels(cpu_fused=False if name != "served" else None)
         models[name] = model
     return models
 

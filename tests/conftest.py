@@ -63,7 +63,10 @@ def tiny_pair(smol_tokenizer) -> tuple[LoadedModel, LoadedModel]:
     """A tiny random target with SmolLM2's tokenizer, and a perturbed copy of it as the draft."""
     cfg = tiny_config(eos=smol_tokenizer.eos_token_ids)
     target = random_model(cfg, seed=1)
-    return LoadedModel(target, smol_tokenizer, "tiny"), LoadedModel(perturbed(target, 0.02, 2), None, "tiny-draft")
+    draft = perturbed(target, 0.02, 2)
+    for m in (target, draft):          # as the engine serves a loaded model: fused projections, CPU fused ops
+        m.fuse_projections().select_kernels()
+    return LoadedModel(target, smol_tokenizer, "tiny"), LoadedModel(draft, None, "tiny-draft")
 
 
 @pytest.fixture

@@ -103,6 +103,11 @@ class KVCache:
         several tensors (views made once per layout change: indexing per layer per step costs µs each)."""
         return self._layers[layer] if self._layers else None
 
+    def layer_slots(self, layer: int) -> torch.Tensor | None:
+        """Head-major caches held as one tensor: the layer's K and V by slot [2, nkv, S, d] (the view the
+        fused CPU ops write and read, models/cpu_fused.py); None otherwise."""
+        return self._slots[layer] if self._slots and self.head_major else None
+
     def drop_last_segment(self) -> int:
         if len(self.segments) <= 1:
             raise RuntimeError("the first KV segment cannot be dropped")

@@ -114,6 +114,7 @@ def load_draft(spec: str | Path | None, target: ModelConfig, dtype: str | torch.
     if is_head_dir(Path(spec)):
         head = load_head(Path(spec), target, parse_dtype(dtype), device).fuse_projections()
         head.pack_cpu_weights(mirror=True)
+        head.select_kernels()
         return LoadedModel(head, None, str(Path(spec).resolve()))
     loaded = load_model(spec, dtype, device, pack=False)
     if loaded.config.vocab_size != target.vocab_size:

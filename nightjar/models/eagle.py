@@ -21,7 +21,16 @@ import torch
 from torch import nn
 
 from nightjar.models.config import ModelConfig
-from nightjar.models.llama import MLP, Attention, BatchLayout, RMSNorm, rope_inv_freq, signed_sin
+from nightjar.models.llama import (
+    MLP,
+    Attention,
+    BatchLayout,
+    RMSNorm,
+    rope_inv_freq,
+    set_cpu_fused,
+    signed_sin,
+    use_cpu_fused,
+)
 
 HEAD_FILE, HEAD_CONFIG = "head.safetensors", "head_config.json"
 
@@ -144,6 +153,12 @@ class DraftHead(nn.Module):
         self.self_attn.fuse()
         self.mlp.fuse()
         return self
+
+    def select_kernels(self, cpu_fused: bool | None = None) -> bool:
+        """The fused CPU ops for inference where they build (``LlamaModel.select_kernels``); returns them on."""
+        on = use_cpu_fused(self.device) if cpu_fused is None else cpu_fused
+        set_cpu_fused(self, on)
+        return on
 
     def pack_cpu_weights(self, mirror: bool = True) -> bool:
         from nightjar.models.cpu_linear import pack_linears, packing_available

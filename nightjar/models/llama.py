@@ -67,6 +67,7 @@ class BatchLayout:
     seq_lens: torch.Tensor       # [B] int64: context length of row b after this chunk
     groups: list[AttnGroup]
     logits_index: torch.Tensor   # [N] int64 into T: rows whose logits are returned
+    short: bool = False          # every row has at most SHORT_QUERY query tokens (decode/verify steps)
 
     @property
     def num_tokens(self) -> int:
@@ -103,7 +104,7 @@ def build_layout(
     return BatchLayout(input_ids=as_t(ids), positions=as_t(pos), slot_mapping=as_t(slots),
                        block_tables=table.to(device), query_start_loc=as_t(offsets),
                        seq_lens=as_t([s + q for s, q in zip(starts, qlens)]), groups=groups,
-                       logits_index=as_t(logit_rows))
+                       logits_index=as_t(logit_rows), short=not long)
 
 
 def _tables(block_tables: list[tuple[int, ...]], ctx: list[int], block_size: int) -> torch.Tensor:
@@ -138,12 +139,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_fused = False         # set by LlamaModel.select_kernels (models/cpu_fused.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One fused op. It accumulates in fp32 and rounds once after scaling, where HF rounds the
         normalised value to the input dtype first and then scales: the same in fp32, within one
         rounding of it in bf16 (and measured closer to an fp32 reference)."""
+        if self.cpu_fused and x.dim() == 2 and x.is_contiguous() and not torch.is_grad_enabled():
+            return torch.ops.nightjar_cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward(self, a: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, this norm of it) for a residual add followed by the norm: one call when fused."""
+        if self.cpu_fused and x.dim() == 2 and x.is_contiguous() and a.is_contiguous() and not torch.is_grad_enabled():
+            return torch.ops.nightjar_cpu.add_rms_norm(a, x, self.weight, self.eps)
+        x = x + a
+        return x, self(x)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -202,6 +213,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
         self.qkv_proj: nn.Module | None = None     # set by fuse(): one [q+2kv, h] projection
         self.use_kernels = False       # set by LlamaModel.select_kernels (Triton on CUDA)
+        self.cpu_fused = False         # set by LlamaModel.select_kernels (models/cpu_fused.py)
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection whose rows are q, k, v stacked (same numbers, one GEMM)."""
@@ -221,6 +233,9 @@ class Attention(nn.Module):
         c = self.cfg
         T = x.shape[0]
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        by_slot = cache.layer_slots(self.layer) if self.cpu_fused and self.qkv_proj is not None else None
+        if by_slot is not None:
+            return self.o_proj(self._fused(x, cos, sin_signed, lay, cache, by_slot).reshape(T, c.q_size))
         if self.qkv_proj is None:
             q, k, v = self.qkv(x)
             qk = torch.cat((q.view(T, nh, d), k.view(T, nkv, d)), dim=1)        # [T, nh+nkv, d]
@@ -237,6 +252,23 @@ class Attention(nn.Module):
             cache.write(self.layer, k, v, lay.slot_mapping)
             out = paged_attention(q, cache, self.layer, lay, scale)  # [T, nh, d]
         return self.o_proj(out.reshape(T, c.q_size))
+
+    def _fused(self, x, cos, sin_signed, lay: BatchLayout, cache, by_slot) -> torch.Tensor:
+        """The fused CPU path: rope + KV store in one call, paged attention of the decode/verify rows (at most
+        SHORT_QUERY queries) in one more, a prefill row's long query by batched matmuls (they serve it
+        better) -> [T, nh, d]. Each row takes the same path whatever else is in the step. ``by_slot`` is this
+        layer's [2, nkv, S, d] cache view."""
+        ops, c = torch.ops.nightjar_cpu, self.cfg
+        scale = 1.0 / math.sqrt(c.head_dim)
+        q = ops.rope_store(self.qkv_proj(x), cos, sin_signed, by_slot, lay.slot_mapping, c.num_heads)
+        long = [g for g in lay.groups if g.q_index.shape[1] > SHORT_QUERY]
+        if len(long) == len(lay.groups):
+            return paged_attention(q, cache, self.layer, lay, scale)
+        out = ops.paged_attention(q, by_slot, lay.block_tables, lay.query_start_loc, lay.seq_lens,
+                                  cache.block_size, scale, SHORT_QUERY)
+        for g in long:
+            out[g.token_index] = _attend(q, cache, self.layer, g, scale)
+        return out
 
     def _kernel_attention(self, q, k, v, lay: BatchLayout, cache, scale: float) -> torch.Tensor:
         """The Triton path (GPU): KV store + varlen paged attention over the single segment."""
@@ -322,6 +354,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # set by fuse(): one [2*inter, h] projection
+        self.cpu_fused = False                      # set by LlamaModel.select_kernels (models/cpu_fused.py)
 
     def fuse(self) -> None:
         if self.gate_up_proj is None:
@@ -331,7 +364,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)          # [..., inter] each
+        gu = self.gate_up_proj(x)                                 # [..., 2*inter]
+        if self.cpu_fused and gu.dim() == 2 and gu.is_contiguous() and not torch.is_grad_enabled():
+            return self.down_proj(torch.ops.nightjar_cpu.silu_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)                            # [..., inter] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -352,8 +388,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
     def forward(self, x, cos, sin, lay, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, lay, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, lay, cache)
+        x, h = self.post_attention_layernorm.add_forward(a, x)       # x + a, and its norm
+        return x + self.mlp(h)
+
+
+def use_cpu_fused(device: torch.device) -> bool:
+    """The fused CPU ops (models/cpu_fused.py) serve a model on ``device``: a CPU where they build."""
+    from nightjar.models import cpu_fused
+
+    return device.type == "cpu" and cpu_fused.available()
+
+
+def set_cpu_fused(model: nn.Module, on: bool) -> None:
+    """Switch every norm, attention and MLP of ``model`` to the fused CPU ops (or back). They run only
+    without autograd (inference), on 2-D token-major inputs: anything else keeps the torch ops."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, Attention, MLP)):
+            m.cpu_fused = on
 
 
 class LlamaModel(nn.Module):
@@ -378,14 +430,19 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def select_kernels(self, triton: bool | None = None) -> bool:
-        """The one switch: Triton kernels on CUDA (unless NIGHTJAR_TRITON=0), torch references elsewhere."""
+    def select_kernels(self, triton: bool | None = None, cpu_fused: bool | None = None) -> bool:
+        """The one switch: Triton kernels on CUDA (unless NIGHTJAR_TRITON=0); on CPU the fused C++ ops
+        where they build (unless NIGHTJAR_CPU_FUSED=0, models/cpu_fused.py), else torch references.
+        Returns whether Triton is on."""
         if triton is None:
             from nightjar.triton_kernels import use_triton
 
             triton = use_triton() and self.device.type == "cuda"
+        if cpu_fused is None:
+            cpu_fused = use_cpu_fused(self.device) and not triton
         for layer in self.layers:
             layer.self_attn.use_kernels = triton
+        set_cpu_fused(self, cpu_fused)
         return triton
 
     def fuse_projections(self) -> LlamaModel:

@@ -1,0 +1,340 @@
+// Fused CPU ops for the decoder step (nightjar/models/cpu_fused.py builds and loads this file).
+//
+// At one to a few rows per step a decoder layer is ~50 small aten calls, each a few to tens of µs of
+// dispatch and allocation around almost no arithmetic; these ops do the same arithmetic in one call each:
+//   rms_norm        x [T, h] -> [T, h]
+//   add_rms_norm    (a, x) [T, h] -> (x + a, rms_norm(x + a)); the sum is rounded to the dtype first
+//   silu_mul        gate_up [T, 2I] -> silu(gate) * up [T, I]
+//   rope_store      qkv [T, (nh + 2 nkv) d] -> roped q [T, nh, d]; roped k and v written to cache slots
+//   paged_attention q [T, nh, d] over a head-major paged cache, causal within each row's query chunk (rows of
+//                   at most max_query queries: one row's numbers never depend on the other rows of the step)
+// Every op accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+template <typename T>
+float sum_squares(const T* x, int64_t h) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= h; i += 16)
+    for (int l = 0; l < 16; ++l) { float v = f32(x[i + l]); acc[l] += v * v; }
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  for (; i < h; ++i) { float v = f32(x[i]); s += v * v; }
+  return s;
+}
+
+template <typename T>
+void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  const float r = 1.f / std::sqrt(sum_squares(x, h) / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) out[i] = static_cast<T>(f32(x[i]) * r * f32(w[i]));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected a contiguous [T, h] tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [h] tensor of the input's dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  auto out = at::empty_like(x);
+  const int64_t T = x.size(0), h = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t *px = x.data_ptr<scalar_t>(), *pw = w.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) norm_row(px + t * h, pw, po + t * h, h, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Tensor& x, const at::Tensor& w,
+                                                double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(a.sizes() == x.sizes() && a.is_contiguous() && a.scalar_type() == x.scalar_type(),
+              "the addend must match x");
+  auto sum = at::empty_like(x);
+  auto out = at::empty_like(x);
+  const int64_t T = x.size(0), h = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *pa = a.data_ptr<scalar_t>(), *px = x.data_ptr<scalar_t>(), *pw = w.data_ptr<scalar_t>();
+    scalar_t *ps = sum.data_ptr<scalar_t>(), *po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        for (int64_t i = 0; i < h; ++i) ps[t * h + i] = static_cast<scalar_t>(f32(px[t * h + i]) + f32(pa[t * h + i]));
+        norm_row(ps + t * h, pw, po + t * h, h, static_cast<float>(eps));
+      }
+    });
+  });
+  return {sum, out};
+}
+
+// fp32 vectors of 16 lanes (GCC/Clang vector extensions: AVX-512 where built with it, split otherwise)
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline float hsum(v16 a) {
+  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// e^x: Cody-Waite reduction and Cephes' expf polynomial, within ~2 ulp of std::exp; x is clamped to
+// [-87, 88] (e^-87 ~ 1.6e-38 stands for 0, callers mask what must be exactly 0)
+inline v16 vexp(v16 x) {
+  x = x < -87.f ? v16{} - 87.f : x;
+  x = x > 88.f ? v16{} + 88.f : x;
+  const v16 t = x * 1.44269504088896341f + 12582912.f;  // round(x / ln 2) in the low mantissa bits
+  const v16 n = t - 12582912.f;
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
+  return p * reinterpret_cast<const v16&>(e);
+}
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// 16 values from src as fp32 lanes (bf16: the 16 bits are the high half of an fp32); n < 16 zero-fills
+template <typename T>
+inline v16 load16(const T* src, int64_t n) {
+  v16 out{};
+  if (n < 16) {
+    for (int64_t i = 0; i < n; ++i) out[i] = f32(src[i]);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    u16x16 raw;
+    std::memcpy(&raw, src, sizeof raw);
+    const u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
+    std::memcpy(&out, &wide, sizeof out);
+  } else if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&out, src, sizeof out);
+  } else {
+    for (int i = 0; i < 16; ++i) out[i] = f32(src[i]);
+  }
+  return out;
+}
+
+// one head vector src [d] -> dst [C] fp32 lanes (C = d rounded up to 16, zero past d)
+template <typename T>
+inline void widen(const T* src, v16* dst, int64_t d, int64_t C, float scale = 1.f) {
+  for (int64_t c = 0; c < C; ++c) dst[c] = load16(src + 16 * c, d - 16 * c) * scale;
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "expected a contiguous [T, 2I] tensor");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto out = at::empty({T, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
+    const scalar_t* pg = gu.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    const int64_t chunks = (I + 15) / 16;
+    at::parallel_for(0, T * chunks, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t k = lo; k < hi; ++k) {
+        const int64_t t = k / chunks, i0 = (k % chunks) * 16, m = std::min<int64_t>(16, I - i0);
+        const v16 g = load16(pg + t * 2 * I + i0, m), u = load16(pg + t * 2 * I + I + i0, m);
+        const v16 y = g / (1.f + vexp(-g)) * u;
+        for (int64_t i = 0; i < m; ++i) po[t * I + i0 + i] = static_cast<scalar_t>(y[i]);
+      }
+    });
+  });
+  return out;
+}
+
+// One layer's K and V by slot: [2, nkv, S, d], each slot's d values contiguous (heads and K/V may be strided:
+// the layer can be a view of a larger reserve)
+void check_cache(const at::Tensor& c) {
+  TORCH_CHECK(c.dim() == 4 && c.size(0) == 2 && c.stride(3) == 1 && c.stride(2) == c.size(3),
+              "cache must be a [2, nkv, S, d] view with contiguous slots");
+}
+
+// y = x * cos + roll(x, d/2) * sin_signed, for one head vector of d values
+template <typename T>
+inline void rope_vec(const T* x, const T* c, const T* s, T* y, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const int64_t j = i < half ? i + half : i - half;
+    y[i] = static_cast<T>(f32(x[i]) * f32(c[i]) + f32(x[j]) * f32(s[i]));
+  }
+}
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
+                      const at::Tensor& cache, const at::Tensor& slots, int64_t nh) {
+  // qkv [T, (nh + 2 nkv) d]; cos, sin_signed [T, d] (any row stride); cache [2, nkv, S, d] (one layer by slot)
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [T, (nh + 2 nkv) d] tensor");
+  check_cache(cache);
+  const int64_t T = qkv.size(0), nkv = cache.size(1), S = cache.size(2), d = cache.size(3);
+  const int64_t kv_stride = cache.stride(0), head_stride = cache.stride(1);
+  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * d, "qkv width does not match the heads");
+  TORCH_CHECK(cos.size(0) == T && cos.size(-1) == d && cos.stride(-1) == 1 && sin_signed.sizes() == cos.sizes() &&
+                  sin_signed.strides() == cos.strides(), "cos and sin_signed must be [T, d] with unit stride");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong, "slots must be [T] int64");
+  TORCH_CHECK(qkv.scalar_type() == cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
+              "qkv, cos, sin and cache must share a dtype");
+  auto sl = slots.contiguous();
+  const int64_t* ps = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ps[t] >= 0 && ps[t] < S, "cache slot out of range");
+  auto q = at::empty({T, nh, d}, qkv.options());
+  const int64_t cs = cos.stride(0), W = qkv.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store", [&] {
+    const scalar_t *px = qkv.data_ptr<scalar_t>(), *pc = cos.data_ptr<scalar_t>(), *pn = sin_signed.data_ptr<scalar_t>();
+    scalar_t *pq = q.data_ptr<scalar_t>(), *pk = cache.data_ptr<scalar_t>(), *pv = pk + kv_stride;
+    at::parallel_for(0, T, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const scalar_t *x = px + t * W, *c = pc + t * cs, *s = pn + t * cs;
+        for (int64_t h = 0; h < nh; ++h) rope_vec(x + h * d, c, s, pq + (t * nh + h) * d, d);
+        for (int64_t h = 0; h < nkv; ++h) {
+          rope_vec(x + (nh + h) * d, c, s, pk + h * head_stride + ps[t] * d, d);
+          std::copy(x + (nh + nkv + h) * d, x + (nh + nkv + h + 1) * d, pv + h * head_stride + ps[t] * d);
+        }
+      }
+    });
+  });
+  return q;
+}
+
+// One (row, kv head): the row's Q query tokens times the gq query heads that share the kv head.
+// Scores, softmax and the weighted sum of values in fp32 over the row's L positions, read from the blocks.
+template <typename T>
+void attend_one(const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t bs, int64_t L,
+                int64_t Q, int64_t gq, int64_t d, int64_t nh, int64_t h, float scale) {
+  const int64_t n = Q * gq, C = (d + 15) / 16, Lp = (L + 15) / 16 * 16;  // queries, chunks of d, padded L
+  std::vector<v16> qf(n * C), acc(n * C, v16{}), kv(C), scores(n * Lp / 16);  // v16: 64-byte aligned
+  float* sc = reinterpret_cast<float*>(scores.data());
+  for (int64_t tq = 0; tq < Q; ++tq)  // query vectors ordered (token, head in group), pre-scaled
+    for (int64_t g = 0; g < gq; ++g)
+      widen(q + (tq * nh + h * gq + g) * d, &qf[(tq * gq + g) * C], d, C, scale);
+  for (int64_t blk = 0, p0 = 0; p0 < L; ++blk, p0 += bs) {  // positions p0.. of block table[blk]
+    const T* kb = kc + table[blk] * bs * d;
+    for (int64_t j = 0; j < std::min(bs, L - p0); ++j) {
+      widen(kb + j * d, kv.data(), d, C);
+      for (int64_t r = 0; r < n; ++r) {
+        v16 a = qf[r * C] * kv[0];
+        for (int64_t c = 1; c < C; ++c) a += qf[r * C + c] * kv[c];
+        sc[r * Lp + p0 + j] = hsum(a);
+      }
+    }
+  }
+  std::vector<int64_t> last(n);  // query r sees positions [0, last[r]): causal within the chunk
+  for (int64_t r = 0; r < n; ++r) {
+    last[r] = L - Q + r / gq + 1;
+    float* s = sc + r * Lp;
+    float mx = s[0];
+    for (int64_t p = 1; p < last[r]; ++p) mx = std::max(mx, s[p]);
+    for (int64_t p = last[r]; p < Lp; ++p) s[p] = -std::numeric_limits<float>::infinity();
+    v16 z{};
+    for (int64_t p = 0; p < Lp; p += 16) {
+      v16 e = vexp(*reinterpret_cast<v16*>(s + p) - mx);
+      e = *reinterpret_cast<v16*>(s + p) == -std::numeric_limits<float>::infinity() ? v16{} : e;
+      *reinterpret_cast<v16*>(s + p) = e;
+      z += e;
+    }
+    const float iz = 1.f / hsum(z);
+    for (int64_t p = 0; p < last[r]; ++p) s[p] *= iz;
+  }
+  for (int64_t blk = 0, p0 = 0; p0 < L; ++blk, p0 += bs) {  // acc[r] += probs[r, p] v_p
+    const T* vb = vc + table[blk] * bs * d;
+    for (int64_t j = 0; j < std::min(bs, L - p0); ++j) {
+      widen(vb + j * d, kv.data(), d, C);
+      for (int64_t r = 0; r < n; ++r) {
+        if (p0 + j >= last[r]) continue;
+        const float w = sc[r * Lp + p0 + j];
+        for (int64_t c = 0; c < C; ++c) acc[r * C + c] += w * kv[c];
+      }
+    }
+  }
+  for (int64_t tq = 0; tq < Q; ++tq)
+    for (int64_t g = 0; g < gq; ++g) {
+      const float* a = reinterpret_cast<const float*>(&acc[(tq * gq + g) * C]);
+      for (int64_t i = 0; i < d; ++i) out[(tq * nh + h * gq + g) * d + i] = static_cast<T>(a[i]);
+    }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t block_size,
+                           double scale, int64_t max_query) {
+  // q [T, nh, d]; cache [2, nkv, S, d] (one layer by slot, head-major); block_tables [B, nb] int64;
+  // query_start_loc [B+1], seq_lens [B] int64: row b's queries are the last Q_b of its seq_lens[b] positions.
+  // Rows with more than max_query queries are skipped: their output rows are left for the caller to fill.
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, nh, d] tensor");
+  check_cache(cache);
+  TORCH_CHECK(cache.size(3) == q.size(2) && cache.scalar_type() == q.scalar_type(), "cache and q disagree");
+  const int64_t nh = q.size(1), d = q.size(2), nkv = cache.size(1), S = cache.size(2);
+  TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of kv heads");
+  auto bt = block_tables.contiguous();
+  auto qsl = query_start_loc.contiguous();
+  auto sl = seq_lens.contiguous();
+  TORCH_CHECK(bt.scalar_type() == at::kLong && qsl.scalar_type() == at::kLong && sl.scalar_type() == at::kLong,
+              "block tables, query starts and lengths must be int64");
+  const int64_t B = sl.size(0), nb = bt.size(1);
+  TORCH_CHECK(bt.size(0) == B && qsl.size(0) == B + 1, "block tables, query starts and lengths disagree on rows");
+  const int64_t *pt = bt.data_ptr<int64_t>(), *pq = qsl.data_ptr<int64_t>(), *pl = sl.data_ptr<int64_t>();
+  TORCH_CHECK(pq[B] == q.size(0), "query starts do not cover q");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t Q = pq[b + 1] - pq[b];
+    TORCH_CHECK(Q >= 0 && pl[b] >= Q && (pl[b] + block_size - 1) / block_size <= nb, "bad row ", b);
+    for (int64_t j = 0; j < (pl[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(pt[b * nb + j] >= 0 && (pt[b * nb + j] + 1) * block_size <= S, "block id out of range in row ", b);
+  }
+  auto out = at::empty_like(q);
+  const int64_t gq = nh / nkv;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
+    const scalar_t *pqv = q.data_ptr<scalar_t>(), *pk = cache.data_ptr<scalar_t>();
+    const scalar_t* pv = pk + cache.stride(0);
+    const int64_t hs = cache.stride(1);
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * nkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t b = task / nkv, h = task % nkv, t0 = pq[b], Q = pq[b + 1] - t0;
+        if (Q == 0 || Q > max_query) continue;
+        attend_one(pqv + t0 * nh * d, pk + h * hs, pv + h * hs, po + t0 * nh * d, pt + b * nb, block_size,
+                   pl[b], Q, gq, d, nh, h, static_cast<float>(scale));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nightjar_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor a, Tensor x, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin_signed, Tensor(a!) cache, Tensor slots, int nh) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
+        "int block_size, float scale, int max_query) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("rope_store", rope_store);
+  m.impl("paged_attention", paged_attention);
+}

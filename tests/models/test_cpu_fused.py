@@ -1,0 +1,186 @@
+"""The fused CPU ops (nightjar/models/cpu_fused.cpp) against the torch ops they replace."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nightjar.kvpool.cache import KVCache
+from nightjar.models import build_layout, cpu_fused
+from nightjar.models.llama import apply_rope_signed, paged_attention, set_cpu_fused, signed_sin
+from tests.conftest import random_model, tiny_config
+
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler: the fused CPU ops cannot be built here", allow_module_level=True)
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_fused.available(), "the fused CPU ops did not build (see the log line)"
+    return torch.ops.nightjar_cpu
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype) -> None:
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, b.float().abs().max().item()), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [64, 50])
+def test_norms_and_silu_mul_match_torch(ops, dtype, h):
+    g = torch.Generator().manual_seed(0)
+    x, a = (torch.randn(5, h, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (h,), w.float(), 1e-5), dtype)
+    s, n = ops.add_rms_norm(a, x, w, 1e-5)
+    assert torch.equal(s, x + a)                                   # the sum rounds to the dtype first
+    close(n, F.rms_norm((x + a).float(), (h,), w.float(), 1e-5), dtype)
+    gu = torch.randn(3, 2 * h, generator=g).to(dtype) * 4         # exp over a wide range
+    gate, up = gu.float().chunk(2, dim=-1)
+    close(ops.silu_mul(gu), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots(ops, dtype):
+    T, nh, nkv, d, bs = 3, 4, 2, 16, 4
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g).to(dtype)
+    pos = torch.tensor([5, 6, 11])
+    freqs = pos.float()[:, None] / 10000 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]           # [T, 1, d]
+    cos, sin = emb.cos().to(dtype), signed_sin(emb.sin().to(dtype))
+    cache = KVCache(2, nkv, d, bs, 6, dtype)
+    slots = torch.tensor([9, 2, 17])
+    q = ops.rope_store(qkv, cos, sin, cache.layer_slots(1), slots, nh)
+    heads = qkv.view(T, nh + 2 * nkv, d)
+    ref = apply_rope_signed(heads[:, : nh + nkv].float(), cos.float(), sin.float())
+    close(q, ref[:, :nh], dtype)
+    k, v = cache.layer_slots(1)                                   # [nkv, S, d] each
+    close(k[:, slots].transpose(0, 1), ref[:, nh:], dtype)
+    assert torch.equal(v[:, slots].transpose(0, 1), heads[:, nh + nkv:])
+    assert not cache.layer_slots(0).any()                          # other layers untouched
+
+
+def _random_cache(nkv, d, bs, nblocks, dtype, reserve=0):
+    cache = KVCache(2, nkv, d, bs, nblocks, dtype, reserve_blocks=reserve)
+    with torch.no_grad():
+        data = cache.segments[0].data
+        data.copy_(torch.randn(data.shape, generator=torch.Generator().manual_seed(3)))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 16), (9, 3, 64), (6, 6, 40), (2, 1, 8)])
+def test_paged_attention_matches_the_torch_reference_on_varlen_causal_rows(ops, dtype, nh, nkv, d):
+    bs = 4
+    qlens, starts = [1, 4, 3, 16], [0, 9, 22, 5]                 # decode, verify and short prefill rows
+    need = [-(-(s + q) // bs) for s, q in zip(starts, qlens)]
+    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(4)).tolist()
+    tables, o = [], 0
+    for n in need:
+        tables.append(tuple(perm[o: o + n]))
+        o += n
+    lay = build_layout([[7] * q for q in qlens], starts, tables, bs, qlens)
+    assert lay.short
+    cache = _random_cache(nkv, d, bs, sum(need) + 3, dtype)
+    q = torch.randn(lay.num_tokens, nh, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    scale = 1 / math.sqrt(d)
+    got = ops.paged_attention(q, cache.layer_slots(1), lay.block_tables, lay.query_start_loc, lay.seq_lens, bs,
+                              scale, 16)
+    close(got, paged_attention(q.float(), _as_float(cache), 1, lay, scale), dtype)
+
+
+def _as_float(cache: KVCache) -> KVCache:
+    f = KVCache(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.block_size, cache.num_blocks,
+                torch.float32)
+    f.segments[0].data.copy_(cache.segments[0].data.float())
+    return f
+
+
+def test_paged_attention_reads_a_cache_that_is_a_view_of_a_larger_reserve(ops):
+    cache = _random_cache(2, 16, 4, 5, torch.float32, reserve=7)   # one segment, narrowed out of the store
+    assert not cache.layer_slots(0).is_contiguous()
+    lay = build_layout([[1, 2]], [9], [(4, 0, 2)], 4, [2])
+    q = torch.randn(2, 4, 16)
+    got = ops.paged_attention(q, cache.layer_slots(0), lay.block_tables, lay.query_start_loc, lay.seq_lens, 4, 0.25, 16)
+    close(got, paged_attention(q, cache, 0, lay, 0.25), torch.float32)
+
+
+def test_bad_slots_and_tables_raise_one_clear_error_instead_of_writing_out_of_bounds(ops):
+    cache = KVCache(1, 2, 16, 4, 3, torch.float32)
+    qkv, cs = torch.randn(1, 8 * 16), torch.ones(1, 1, 16)
+    with pytest.raises(RuntimeError, match="cache slot out of range"):
+        ops.rope_store(qkv, cs, cs, cache.layer_slots(0), torch.tensor([12]), 4)
+    lay = build_layout([[1]], [5], [(0, 9)], 4, [1])
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_attention(torch.randn(1, 4, 16), cache.layer_slots(0), lay.block_tables, lay.query_start_loc,
+                            lay.seq_lens, 4, 0.25, 16)
+
+
+def _run(model, dtype, on: bool) -> list[torch.Tensor]:
+    """Prefill (torch attention over a long row, fused rope/store/norms/MLP), then decode and verify steps."""
+    bs, prompt = 4, list(range(3, 40))
+    cache, table = KVCache(3, 2, 16, bs, 24, dtype), [tuple(range(24))]
+    set_cpu_fused(model, on)
+    steps = [([prompt], [0], [1]), ([[5]], [37], [1]), ([[6, 7, 8, 9]], [38], [4]), ([[10]], [42], [1])]
+    return [model(build_layout(c, s, table, bs, n), cache) for c, s, n in steps] + [cache.segments[0].data]
+
+
+def test_a_model_on_the_fused_ops_gives_the_logits_of_the_torch_ops(ops):
+    model = random_model(tiny_config(vocab=96, hidden=64, layers=3), seed=6).fuse_projections()
+    for a, b in zip(_run(model, torch.float32, True), _run(model, torch.float32, False)):
+        close(a, b, torch.float32)
+
+
+def test_in_bf16_the_fused_ops_are_as_close_to_fp32_as_the_torch_ops(ops):
+    """bf16 rounds differently (once per op instead of once per aten call), so step by step either path
+    can be the closer one: summed over seeds and steps, the fused ops are as close to fp32."""
+    err = {True: 0.0, False: 0.0}
+    for seed in range(4):
+        model = random_model(tiny_config(vocab=96, hidden=64, layers=3), seed=seed, std=0.1).fuse_projections()
+        ref = _run(model, torch.float32, False)
+        model = model.to(torch.bfloat16)
+        for on in (True, False):
+            err[on] += sum((x.float() - r).abs().mean().item() for r, x in zip(ref, _run(model, torch.bfloat16, on)))
+    assert err[True] <= 1.15 * err[False], err
+
+
+def test_a_decode_row_gets_the_same_bf16_logits_with_or_without_a_prefill_row_beside_it(ops):
+    """Decode rows take the fused attention, a long prefill row the torch one, in the same step: a row's
+    numbers do not depend on what else the step holds (seeded sampling stays reproducible in bf16)."""
+    model = random_model(tiny_config(vocab=96, hidden=64, layers=2), seed=9, std=0.1, dtype=torch.bfloat16)
+    model.fuse_projections()
+    set_cpu_fused(model, True)
+    bs, table = 4, [tuple(range(12)), tuple(range(12, 24))]
+    got = []
+    for mixed in (False, True):
+        cache = KVCache(2, 2, 16, bs, 24, torch.bfloat16)
+        model(build_layout([list(range(3, 20))], [0], table[:1], bs, [1]), cache)        # row 0's prompt
+        chunks, starts, tabs = [[21]], [17], table[:1]
+        if mixed:
+            chunks, starts, tabs = [[21], list(range(30, 50))], [17, 0], table
+        got.append(model(build_layout(chunks, starts, tabs, bs, [1] * len(chunks)), cache)[0])
+    assert torch.equal(got[0], got[1])
+
+
+def test_training_keeps_autograd_on_the_torch_ops(ops):
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=7)
+    set_cpu_fused(model, True)
+    norm, mlp = model.layers[0].input_layernorm, model.layers[0].mlp
+    mlp.fuse()
+    x = torch.randn(3, 64, requires_grad=True)
+    mlp(norm(x)).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_the_switch_off_keeps_the_torch_ops(monkeypatch):
+    monkeypatch.setenv("NIGHTJAR_CPU_FUSED", "0")
+    assert not cpu_fused.available()
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=8)
+    model.select_kernels()
+    assert not model.layers[0].self_attn.cpu_fused and not model.norm.cpu_fused
