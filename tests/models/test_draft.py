@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from nightjar.models import INDEPENDENT_DRAFT_DIR, load_draft
+from nightjar.models import INDEPENDENT_DRAFT_DIR, cpu_fused, load_draft
 from nightjar.models.loader import load_weights
 from tests.models.test_llama_parity import Runner
 
@@ -66,6 +66,7 @@ def test_the_default_draft_is_the_shipped_head_and_drafts_greedy_exact_on_smollm
     head = load_draft("default", smollm2_fp32.config, "float32")
     assert head.source == str(HEAD_DRAFT_DIR.resolve()) == load_draft("head", smollm2_fp32.config).source
     assert is_head(head.model) and head.model.hc.draft_vocab == 8192
+    assert head.model.self_attn.cpu_fused == cpu_fused.available()      # served on the fused CPU ops
     prompts = ["What is the capital of Italy?", "Write a short poem about rain.", "List three primary colours."]
     ref, _ = greedy_runs((smollm2_fp32, head), "off", prompts)
     got, stats = greedy_runs((smollm2_fp32, head), "fixed:3", prompts)
