@@ -194,8 +194,8 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(cos.size(0) == T && cos.size(-1) == d && cos.stride(-1) == 1 && sin_signed.sizes() == cos.sizes() &&
                   sin_signed.strides() == cos.strides(), "cos and sin_signed must be [T, d] with unit stride");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong, "slots must be [T] int64");
-  TORCH_CHECK(qkv.scalar_type() == cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
-              "qkv, cos, sin and cache must share a dtype");
+  TORCH_CHECK(qkv.scalar_type() == cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin_signed.scalar_type() == qkv.scalar_type(), "qkv, cos, sin and cache must share a dtype");
   auto sl = slots.contiguous();
   const int64_t* ps = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ps[t] >= 0 && ps[t] < S, "cache slot out of range");
