@@ -22,9 +22,11 @@ from nightjar.sampling import ConfigError
 # oneDNN-packed CPU weights; 3: the quick grid covers B <= 64, q <= 5 and is made monotone; 4: measured with
 # no other live thread holding an OpenMP team, which had made small-B steps ~2x slower, see kernel/threads.py;
 # 5: head-major CPU KV cache, attention over whole blocks: steps at B >= 16 8-18 % faster, kvpool/cache.py;
-# 6: T_draft timed right after a target forward, as the engine runs it, 1.12-1.18x the back-to-back time),
-# so that a profile cached before is measured again instead of misleading the planner.
-KERNELS_VERSION = 6
+# 6: T_draft timed right after a target forward, as the engine runs it, 1.12-1.18x the back-to-back time;
+# 7: fused CPU ops, models/cpu_fused.py: steps 0.58-0.88x, decode rows gaining more than verify rows),
+# so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
+# ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) is part of the key too.
+KERNELS_VERSION = 7
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:
@@ -32,11 +34,13 @@ def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", q
     cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``). A shipped drafter's name
     ("default") is keyed by the drafter it names, so that another default is measured anew."""
     from nightjar.models import NAMED_DRAFTS
+    from nightjar.models.llama import use_cpu_fused
 
     draft = f"shipped:{NAMED_DRAFTS[draft].name}" if draft in NAMED_DRAFTS else draft
     root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
-    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}"
+    fused = device.startswith("cpu") and use_cpu_fused(torch.device("cpu"))
+    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}|{fused}"
     key = hashlib.sha256(f"{model}|{draft}|{dtype}|{quantization}|{KERNELS_VERSION}|{machine}".encode()).hexdigest()
     quant = "" if quantization == "none" else f"-{quantization}"
     return root / f"{Path(str(model)).stem}-{dtype}{quant}-{key[:16]}.json"

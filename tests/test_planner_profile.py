@@ -81,6 +81,17 @@ def test_the_profile_of_a_shipped_drafter_name_is_keyed_by_the_drafter_it_names(
     assert key("default") == key("independent") != key("head")
 
 
+def test_a_profile_measured_on_the_fused_cpu_ops_is_not_served_without_them(monkeypatch, tmp_path):
+    from nightjar import profile_cache as prof
+    from nightjar.models import cpu_fused
+
+    fused = cpu_fused.available()                      # built (or found) where the suite builds it
+    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
+    on = prof.cache_path("smollm2-135m", "none", "bfloat16")
+    monkeypatch.setenv("NIGHTJAR_CPU_FUSED", "0")
+    assert (prof.cache_path("smollm2-135m", "none", "bfloat16") != on) == fused
+
+
 def test_generate_with_an_auto_profile_measures_then_serves(fake_measure, capsys, smollm2_path):
     from nightjar.cli import main
 

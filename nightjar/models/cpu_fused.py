@@ -77,8 +77,14 @@ def _load() -> bool:
              extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         return True
     except Exception as e:   # no compiler, no ninja, a failed build: the torch ops serve instead
-        log.warning("fused CPU ops unavailable (%s); using torch ops", str(e).splitlines()[0] if str(e) else e)
+        log.warning("fused CPU ops unavailable; using torch ops: %s", _reason(e))
         return False
+
+
+def _reason(e: Exception) -> str:
+    """The compiler's first error line when there is one, else the exception's first line."""
+    lines = str(e).splitlines() or [type(e).__name__]
+    return next((ln.strip() for ln in lines if "error:" in ln), lines[0])[:300]
 
 
 def _ninja_on_path() -> None:

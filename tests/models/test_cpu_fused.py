@@ -78,7 +78,9 @@ def _random_cache(nkv, d, bs, nblocks, dtype, reserve=0):
 @pytest.mark.parametrize("nh,nkv,d", [(4, 2, 16), (9, 3, 64), (6, 6, 40), (2, 1, 8)])
 def test_paged_attention_matches_the_torch_reference_on_varlen_causal_rows(ops, dtype, nh, nkv, d):
     bs = 4
-    qlens, starts = [1, 4, 3, 16], [0, 9, 22, 5]                 # decode, verify and short prefill rows
+    # decode, verify and short prefill rows; past 128 positions a row is attended in parts, combined after
+    # (the row at 127 has a query that sees none of its second part)
+    qlens, starts = [1, 4, 3, 16, 3, 1], [0, 9, 22, 5, 127, 300]
     need = [-(-(s + q) // bs) for s, q in zip(starts, qlens)]
     perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(4)).tolist()
     tables, o = [], 0
