@@ -33,13 +33,13 @@ def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", q
     """Where the planner profile of this model, draft, dtype, quantization and device on this machine is
     cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``). A shipped drafter's name
     ("default") is keyed by the drafter it names, so that another default is measured anew."""
-    from nightjar.models import NAMED_DRAFTS
+    from nightjar.models import NAMED_DRAFTS, parse_dtype
     from nightjar.models.llama import use_cpu_fused
 
     draft = f"shipped:{NAMED_DRAFTS[draft].name}" if draft in NAMED_DRAFTS else draft
     root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
-    fused = device.startswith("cpu") and use_cpu_fused(torch.device("cpu"))
+    fused = device.startswith("cpu") and use_cpu_fused(torch.device("cpu"), parse_dtype(dtype))
     machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}|{fused}"
     key = hashlib.sha256(f"{model}|{draft}|{dtype}|{quantization}|{KERNELS_VERSION}|{machine}".encode()).hexdigest()
     quant = "" if quantization == "none" else f"-{quantization}"

@@ -156,7 +156,7 @@ class DraftHead(nn.Module):
 
     def select_kernels(self, cpu_fused: bool | None = None) -> bool:
         """The fused CPU ops for inference where they build (``LlamaModel.select_kernels``); returns them on."""
-        on = use_cpu_fused(self.device) if cpu_fused is None else cpu_fused
+        on = use_cpu_fused(self.device, self.dtype) if cpu_fused is None else cpu_fused
         set_cpu_fused(self, on)
         return on
 

@@ -15,6 +15,7 @@ from torch import nn
 from nightjar.models.config import ModelConfig
 
 SHORT_QUERY = 16          # rows with at most this many query tokens share one attention group
+FUSED_DTYPES = (torch.float32, torch.bfloat16)   # the dtypes the fused CPU ops take (models/cpu_fused.py)
 
 
 @dataclass
@@ -134,6 +135,11 @@ def _group(rows: list[int], qlens, starts, offsets, table, device) -> AttnGroup:
                      attn_mask=mask.unsqueeze(1).to(device), block_tables=table[rows].to(device))
 
 
+def _fusable(x: torch.Tensor) -> bool:
+    """The fused CPU ops take x: 2-D token-major, contiguous, a dtype they cover, no autograd (inference)."""
+    return x.dim() == 2 and x.dtype in FUSED_DTYPES and x.is_contiguous() and not torch.is_grad_enabled()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -145,13 +151,13 @@ class RMSNorm(nn.Module):
         """One fused op. It accumulates in fp32 and rounds once after scaling, where HF rounds the
         normalised value to the input dtype first and then scales: the same in fp32, within one
         rounding of it in bf16 (and measured closer to an fp32 reference)."""
-        if self.cpu_fused and x.dim() == 2 and x.is_contiguous() and not torch.is_grad_enabled():
+        if self.cpu_fused and _fusable(x):
             return torch.ops.nightjar_cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_forward(self, a: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, this norm of it) for a residual add followed by the norm: one call when fused."""
-        if self.cpu_fused and x.dim() == 2 and x.is_contiguous() and a.is_contiguous() and not torch.is_grad_enabled():
+        if self.cpu_fused and _fusable(x) and a.is_contiguous():
             return torch.ops.nightjar_cpu.add_rms_norm(a, x, self.weight, self.eps)
         x = x + a
         return x, self(x)
@@ -233,7 +239,8 @@ class Attention(nn.Module):
         c = self.cfg
         T = x.shape[0]
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        by_slot = cache.layer_slots(self.layer) if self.cpu_fused and self.qkv_proj is not None else None
+        fused = self.cpu_fused and self.qkv_proj is not None and x.dtype in FUSED_DTYPES
+        by_slot = cache.layer_slots(self.layer) if fused else None
         if by_slot is not None:
             return self.o_proj(self._fused(x, cos, sin_signed, lay, cache, by_slot).reshape(T, c.q_size))
         if self.qkv_proj is None:
@@ -365,7 +372,7 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gu = self.gate_up_proj(x)                                 # [..., 2*inter]
-        if self.cpu_fused and gu.dim() == 2 and gu.is_contiguous() and not torch.is_grad_enabled():
+        if self.cpu_fused and _fusable(gu):
             return self.down_proj(torch.ops.nightjar_cpu.silu_mul(gu))
         gate, up = gu.chunk(2, dim=-1)                            # [..., inter] each
         return self.down_proj(F.silu(gate) * up)
@@ -393,11 +400,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-def use_cpu_fused(device: torch.device) -> bool:
-    """The fused CPU ops (models/cpu_fused.py) serve a model on ``device``: a CPU where they build."""
+def use_cpu_fused(device: torch.device, dtype: torch.dtype) -> bool:
+    """The fused CPU ops (models/cpu_fused.py) serve a model on ``device`` in ``dtype``: a CPU where they build,
+    fp32 or bf16."""
     from nightjar.models import cpu_fused
 
-    return device.type == "cpu" and cpu_fused.available()
+    return device.type == "cpu" and dtype in FUSED_DTYPES and cpu_fused.available()
 
 
 def set_cpu_fused(model: nn.Module, on: bool) -> None:
@@ -439,7 +447,7 @@ class LlamaModel(nn.Module):
 
             triton = use_triton() and self.device.type == "cuda"
         if cpu_fused is None:
-            cpu_fused = use_cpu_fused(self.device) and not triton
+            cpu_fused = use_cpu_fused(self.device, self.dtype) and not triton
         for layer in self.layers:
             layer.self_attn.use_kernels = triton
         set_cpu_fused(self, cpu_fused)

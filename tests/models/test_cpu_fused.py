@@ -180,6 +180,15 @@ def test_training_keeps_autograd_on_the_torch_ops(ops):
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+def test_a_float16_model_keeps_the_torch_ops(ops):
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=8, dtype=torch.float16).fuse_projections()
+    model.select_kernels()
+    assert not model.layers[0].self_attn.cpu_fused
+    set_cpu_fused(model, True)                 # even when switched on, fp16 tensors take the torch ops
+    cache = KVCache(2, 2, 16, 4, 4, torch.float16)
+    assert model(build_layout([[3, 4, 5]], [0], [(0, 1, 2, 3)], 4, [1]), cache).isfinite().all()
+
+
 def test_the_switch_off_keeps_the_torch_ops(monkeypatch):
     monkeypatch.setenv("NIGHTJAR_CPU_FUSED", "0")
     assert not cpu_fused.available()
