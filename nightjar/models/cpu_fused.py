@@ -71,6 +71,8 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         out = build_dir()
+        if not any(out.glob("*.so")):
+            log.info("building the fused CPU ops into %s (once per machine, ~20 s)", out)
         out.mkdir(parents=True, exist_ok=True)
         _ninja_on_path()
         load(name="nightjar_cpu_fused", sources=[str(SOURCE)], build_directory=str(out),

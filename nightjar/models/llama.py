@@ -68,7 +68,6 @@ class BatchLayout:
     seq_lens: torch.Tensor       # [B] int64: context length of row b after this chunk
     groups: list[AttnGroup]
     logits_index: torch.Tensor   # [N] int64 into T: rows whose logits are returned
-    short: bool = False          # every row has at most SHORT_QUERY query tokens (decode/verify steps)
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +104,7 @@ def build_layout(
     return BatchLayout(input_ids=as_t(ids), positions=as_t(pos), slot_mapping=as_t(slots),
                        block_tables=table.to(device), query_start_loc=as_t(offsets),
                        seq_lens=as_t([s + q for s, q in zip(starts, qlens)]), groups=groups,
-                       logits_index=as_t(logit_rows), short=not long)
+                       logits_index=as_t(logit_rows))
 
 
 def _tables(block_tables: list[tuple[int, ...]], ctx: list[int], block_size: int) -> torch.Tensor:
