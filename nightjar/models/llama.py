@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,11 @@ class BatchLayout:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @cached_property
+    def long_groups(self) -> list[AttnGroup]:
+        """The groups of rows with more than SHORT_QUERY query tokens (prefill chunks), found once per step."""
+        return [g for g in self.groups if g.q_index.shape[1] > SHORT_QUERY]
 
 
 def build_layout(
@@ -267,12 +273,11 @@ class Attention(nn.Module):
         ops, c = torch.ops.nightjar_cpu, self.cfg
         scale = 1.0 / math.sqrt(c.head_dim)
         q = ops.rope_store(self.qkv_proj(x), cos, sin_signed, by_slot, lay.slot_mapping, c.num_heads)
-        long = [g for g in lay.groups if g.q_index.shape[1] > SHORT_QUERY]
-        if len(long) == len(lay.groups):
+        if len(lay.long_groups) == len(lay.groups):
             return paged_attention(q, cache, self.layer, lay, scale)
         out = ops.paged_attention(q, by_slot, lay.block_tables, lay.query_start_loc, lay.seq_lens,
                                   cache.block_size, scale, SHORT_QUERY)
-        for g in long:
+        for g in lay.long_groups:
             out[g.token_index] = _attend(q, cache, self.layer, g, scale)
         return out
 
