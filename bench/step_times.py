@@ -10,6 +10,8 @@ noisy machine slows them alike:
   served  what the engine serves: fused, plus oneDNN-packed weights on a bf16 CPU (models/cpu_linear.py) and, on
           CPU, the fused C++ ops for norms, rope + KV store, attention and SiLU·up (models/cpu_fused.py)
   torch   ``served`` with torch ops in place of the fused C++ ops (the CPU engine before them)
+  modules ``served`` with every layer's ops reached through nn.Module calls (the fused path before
+          ``DecoderLayer.forward_fused``)
 With several variants the table prints each one's median and its ratio to the first.
 
 The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);
@@ -28,7 +30,7 @@ from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
 
-VARIANTS = ("plain", "fused", "served", "torch")
+VARIANTS = ("plain", "fused", "served", "torch", "modules")
 
 
 def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
@@ -60,9 +62,11 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
     models = {}
     for name in names:
         model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
-        if name in ("served", "torch"):
+        if name in ("served", "torch", "modules"):
             model.pack_cpu_weights()
-        model.select_kernels(cpu_fused=False if name != "served" else None)
+        model.select_kernels(cpu_fused=None if name in ("served", "modules") else False)
+        if name == "modules":
+            model.fused_path = lambda x, cache: False                    # this instance only
         models[name] = model
     return models
 

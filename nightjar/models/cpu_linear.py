@@ -12,8 +12,16 @@ plus a packed copy that is dropped on release and rebuilt after a reload (both c
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+
+@functools.cache
+def _linear():
+    """oneDNN's packed linear as its ``.default`` overload (skips the op packet's per-call lookup)."""
+    return torch.ops.mkldnn._linear_pointwise.default
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -32,7 +40,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] bf16 -> [..., out] bf16."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return _linear()(x, self.packed, None, "none", [], "")
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +82,7 @@ class MirroredPackedLinear(nn.Module):
         """x [..., in] bf16 -> [..., out] bf16."""
         if self.packed is None or self._source != self.weight.data_ptr():
             self.refresh()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return _linear()(x, self.packed, None, "none", [], "")
 
     @property
     def nbytes(self) -> int:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout, cpu_fused
 from nightjar.models.llama import apply_rope_signed, paged_attention, set_cpu_fused, signed_sin
+from nightjar.models.quant import quantize_model
 from tests.conftest import random_model, tiny_config
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -167,6 +168,41 @@ def test_a_decode_row_gets_the_same_bf16_logits_with_or_without_a_prefill_row_be
             chunks, starts, tabs = [[21], list(range(30, 50))], [17, 0], table
         got.append(model(build_layout(chunks, starts, tabs, bs, [1] * len(chunks)), cache)[0])
     assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("dtype,linears", [(torch.float32, "plain"), (torch.bfloat16, "packed"),
+                                           (torch.bfloat16, "int8"), (torch.float32, "int4")])
+def test_the_flat_layer_loop_computes_what_the_module_calls_compute(ops, dtype, linears):
+    """``DecoderLayer.forward_fused`` (submodules by their forward, no nn.Module dispatch) runs the same ops as
+    the layer's module calls: bit-identical logits and cache, whatever the linears are."""
+    model = random_model(tiny_config(vocab=96, hidden=64, layers=3), seed=11, std=0.1, dtype=dtype)
+    model.fuse_projections()
+    if linears == "packed" and not model.pack_cpu_weights():
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    if linears in ("int8", "int4"):
+        quantize_model(model, linears, group_size=32)
+    model.select_kernels()
+    cache = KVCache(3, 2, 16, 4, 4, dtype)
+    with torch.inference_mode():
+        assert model.fused_path(torch.zeros(2, 64, dtype=dtype), cache)       # the flat loop serves by default
+    flat = _run(model, dtype, True)
+    model.fused_path = lambda x, cache: False                                  # this instance: module calls
+    for a, b in zip(flat, _run(model, dtype, True)):
+        assert torch.equal(a, b)
+
+
+def test_the_flat_layer_loop_needs_every_condition_of_the_fused_ops(ops):
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=12).fuse_projections()
+    model.select_kernels()
+    x, cache = torch.zeros(2, 64), KVCache(2, 2, 16, 4, 4, torch.float32)
+    assert not model.fused_path(x, cache)                                      # autograd on: torch ops
+    with torch.inference_mode():
+        assert model.fused_path(x, cache)
+        assert not model.fused_path(x.half(), cache)                           # a dtype they do not take
+        assert not model.fused_path(torch.zeros(64, 2).t(), cache)             # not token-major contiguous
+        assert not model.fused_path(x, KVCache(2, 2, 16, 4, 4, torch.float32, head_major=False))
+        set_cpu_fused(model, False)
+        assert not model.fused_path(x, cache)
 
 
 def test_training_keeps_autograd_on_the_torch_ops(ops):
