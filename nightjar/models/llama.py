@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from types import SimpleNamespace
 
@@ -21,20 +21,65 @@ SHORT_QUERY = 16          # rows with at most this many query tokens share one a
 FUSED_DTYPES = (torch.float32, torch.bfloat16)   # the dtypes the fused CPU ops take (models/cpu_fused.py)
 
 
-@dataclass
 class AttnGroup:
     """Rows attended together, padded to the group's longest query Q and context K.
 
-    Decode and verify rows (Q <= SHORT_QUERY) never pad up to a long prefill chunk.
+    Decode and verify rows (Q <= SHORT_QUERY) never pad up to a long prefill chunk. The index tensors and the
+    mask are built on first use: the fused CPU attention reads the layout's flat tensors instead, so a step of
+    short rows on it never builds them (~60 µs a step at B = 1, more with the batch).
     """
 
-    token_index: torch.Tensor    # [t] int64 into T: the group's query tokens, in flat order
-    q_index: torch.Tensor        # [b, Q] int64 into T, padding points at T (a zero row)
-    flat_index: torch.Tensor     # [t] int64 into b*Q: where each of the group's tokens sits
-    attn_mask: torch.Tensor      # [b, 1, Q, K] bool, True = attend
-    block_tables: torch.Tensor   # [b, nb] int64
-    dense: bool = False          # the group is the whole batch, every row Q tokens: q is [b*Q] in order
-    _masks: dict = field(default_factory=dict, repr=False)   # heads per kv head -> [b, 1, Q*g, K]
+    def __init__(self, rows: list[int], qlens: list[int], starts: list[int], offsets: list[int],
+                 table: torch.Tensor, device):
+        self.rows = rows
+        self.Q = max(qlens[b] for b in rows)                   # the longest query
+        self.K = max(starts[b] + qlens[b] for b in rows)        # the longest context
+        self.dense = False             # the group is the whole batch, every row Q tokens: q is [b*Q] in order
+        self._src = (qlens, starts, offsets, table, device)
+        self._masks: dict = {}         # heads per kv head -> [b, 1, Q*g, K]
+
+    @cached_property
+    def _indices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qlens, _, offsets, _, device = self._src
+        q_index = torch.full((len(self.rows), self.Q), offsets[-1], dtype=torch.int64)
+        tok, flat = [], []
+        for i, b in enumerate(self.rows):
+            q_index[i, : qlens[b]] = torch.arange(offsets[b], offsets[b + 1])
+            tok.extend(range(offsets[b], offsets[b + 1]))
+            flat.extend(range(i * self.Q, i * self.Q + qlens[b]))
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        return as_t(tok), q_index.to(device), as_t(flat)
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        """[t] int64 into T: the group's query tokens, in flat order."""
+        return self._indices[0]
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        """[b, Q] int64 into T, padding points at T (a zero row)."""
+        return self._indices[1]
+
+    @property
+    def flat_index(self) -> torch.Tensor:
+        """[t] int64 into b*Q: where each of the group's tokens sits."""
+        return self._indices[2]
+
+    @cached_property
+    def attn_mask(self) -> torch.Tensor:
+        """[b, 1, Q, K] bool, True = attend."""
+        qlens, starts, _, _, device = self._src
+        rows = self.rows
+        qpos = torch.arange(self.Q).view(1, self.Q, 1) + torch.tensor([starts[b] for b in rows]).view(-1, 1, 1)
+        kpos = torch.arange(self.K).view(1, 1, self.K)                                       # [1, 1, K]
+        ctx = torch.tensor([starts[b] + qlens[b] for b in rows]).view(-1, 1, 1)              # [b, 1, 1]
+        return ((kpos <= qpos) & (kpos < ctx)).unsqueeze(1).to(device)                      # [b, 1, Q, K]
+
+    @cached_property
+    def block_tables(self) -> torch.Tensor:
+        """[b, nb] int64."""
+        table, device = self._src[3], self._src[4]
+        return table[self.rows].to(device)
 
     def blocked(self, gq: int) -> torch.Tensor:
         """Where attention is NOT allowed, repeated for the gq query heads that share a KV head
@@ -79,7 +124,7 @@ class BatchLayout:
     @cached_property
     def long_groups(self) -> list[AttnGroup]:
         """The groups of rows with more than SHORT_QUERY query tokens (prefill chunks), found once per step."""
-        return [g for g in self.groups if g.q_index.shape[1] > SHORT_QUERY]
+        return [g for g in self.groups if g.Q > SHORT_QUERY]
 
 
 def build_layout(
@@ -105,7 +150,7 @@ def build_layout(
     table = _tables(block_tables, [s + q for s, q in zip(starts, qlens)], block_size)     # [B, nb]
     short = [b for b, q in enumerate(qlens) if q <= SHORT_QUERY]
     long = [b for b, q in enumerate(qlens) if q > SHORT_QUERY]
-    groups = [_group(rows, qlens, starts, offsets, table, device) for rows in (short, long) if rows]
+    groups = [AttnGroup(rows, qlens, starts, offsets, table, device) for rows in (short, long) if rows]
     if len(groups) == 1 and len(set(qlens)) == 1:
         groups[0].dense = True
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
@@ -116,30 +161,13 @@ def build_layout(
 
 
 def _tables(block_tables: list[tuple[int, ...]], ctx: list[int], block_size: int) -> torch.Tensor:
+    """[B, nb] int64: each row's blocks for its context, padded with 0 (one tensor built from one list)."""
     nb = max(1, -(-max(ctx) // block_size))
-    table = torch.zeros((len(block_tables), nb), dtype=torch.int64)
-    for b, bt in enumerate(block_tables):
-        n = min(nb, len(bt), -(-ctx[b] // block_size))
-        table[b, :n] = torch.tensor(bt[:n], dtype=torch.int64)
-    return table
-
-
-def _group(rows: list[int], qlens, starts, offsets, table, device) -> AttnGroup:
-    Q = max(qlens[b] for b in rows)
-    ctx = [starts[b] + qlens[b] for b in rows]
-    K = max(ctx)
-    q_index = torch.full((len(rows), Q), offsets[-1], dtype=torch.int64)
-    tok, flat = [], []
-    for i, b in enumerate(rows):
-        q_index[i, : qlens[b]] = torch.arange(offsets[b], offsets[b + 1])
-        tok.extend(range(offsets[b], offsets[b + 1]))
-        flat.extend(range(i * Q, i * Q + qlens[b]))
-    qpos = torch.arange(Q).view(1, Q, 1) + torch.tensor([starts[b] for b in rows]).view(-1, 1, 1)   # [b, Q, 1]
-    kpos = torch.arange(K).view(1, 1, K)                                                          # [1, 1, K]
-    mask = (kpos <= qpos) & (kpos < torch.tensor(ctx).view(-1, 1, 1))                             # [b, Q, K]
-    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-    return AttnGroup(token_index=as_t(tok), q_index=q_index.to(device), flat_index=as_t(flat),
-                     attn_mask=mask.unsqueeze(1).to(device), block_tables=table[rows].to(device))
+    flat = []
+    for bt, k in zip(block_tables, ctx):
+        row = list(bt[: min(nb, -(-k // block_size))])
+        flat.extend(row + [0] * (nb - len(row)))
+    return torch.tensor(flat, dtype=torch.int64).view(len(block_tables), nb)
 
 
 def _fusable(x: torch.Tensor) -> bool:
@@ -337,8 +365,7 @@ def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale:
 
 def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> torch.Tensor:
     """One group's attention -> [t, nh, d] for the group's tokens in flat order."""
-    B, Q = g.q_index.shape
-    K = g.attn_mask.shape[-1]
+    B, Q, K = len(g.rows), g.Q, g.K
     T, nh, d = q.shape
     if g.dense:
         qp = q.view(B, Q, nh, d)                                  # [B, Q, nh, d]: no padding to add
