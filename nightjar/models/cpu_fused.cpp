@@ -8,6 +8,7 @@
 //   rope_store      qkv [T, (nh + 2 nkv) d] -> roped q [T, nh, d]; roped k and v written to cache slots
 //   paged_attention q [T, nh, d] over a head-major paged cache, causal within each row's query chunk (rows of
 //                   at most max_query queries: one row's numbers never depend on the other rows of the step)
+//   int4_weight_t   torch's packed int4 weight + group scales -> W^T [k, n] (a quantized layer's long chunks)
 // Every op accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -320,6 +321,71 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   return out;
 }
 
+// 16 fp32 lanes -> bf16, round to nearest even (finite values: dequantized weights)
+inline void store16_bf16(v16 v, c10::BFloat16* dst) {
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const u16x16 half = __builtin_convertvector(u, u16x16);
+  std::memcpy(dst, &half, sizeof half);
+}
+
+template <typename T>
+inline void store16(v16 v, T* dst) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    store16_bf16(v, dst);
+  } else if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, &v, sizeof v);
+  } else {
+    for (int i = 0; i < 16; ++i) dst[i] = static_cast<T>(v[i]);
+  }
+}
+
+// torch's CPU int4 pack (_convert_weight_to_int4pack_for_cpu, inner k tiles 2) of W [n, k]: bytes [n/64, k, 32],
+// byte j of (block, column) holds row block*64 + j in its low nibble and row block*64 + 32 + j in its high one.
+// With scales_zeros [k/g, n, 2] (scale s, zero z; w = (q - 8) s + z) -> W^T [k, n] in the scales' dtype,
+// each value z - 8 s (rounded to the dtype) + q s in fp32, rounded once: what QuantLinear.weight_t computes.
+at::Tensor int4_weight_t(const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
+  TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous(), "scales must be a contiguous [k/g, n, 2] tensor");
+  const int64_t G = sz.size(0), n = sz.size(1), k = G * group;
+  TORCH_CHECK(group > 0 && n % 64 == 0 && qweight.numel() == n * k / 2, "qweight does not match the scales");
+  auto out = at::empty({k, n}, sz.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, sz.scalar_type(), "int4_weight_t", [&] {
+    const uint8_t* pq = qweight.data_ptr<uint8_t>();
+    const scalar_t* ps = sz.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> s(n), z(n);
+      for (int64_t gi = lo; gi < hi; ++gi) {
+        for (int64_t r = 0; r < n; ++r) {
+          const float sc = f32(ps[(gi * n + r) * 2]);
+          s[r] = sc;
+          z[r] = f32(static_cast<scalar_t>(f32(ps[(gi * n + r) * 2 + 1]) - 8.f * sc));
+        }
+        for (int64_t c = gi * group; c < (gi + 1) * group; ++c) {
+          scalar_t* row = po + c * n;
+          for (int64_t b = 0; b < n / 64; ++b) {
+            const uint8_t* src = pq + (b * k + c) * 32;
+            for (int64_t h = 0; h < 2; ++h) {
+              u16x16 raw;
+              for (int i = 0; i < 16; ++i) raw[i] = src[h * 16 + i];
+              const v16 lo4 = __builtin_convertvector(raw & 15, v16), hi4 = __builtin_convertvector(raw >> 4, v16);
+              const int64_t r0 = b * 64 + h * 16, r1 = r0 + 32;
+              v16 s0, z0, s1, z1;
+              std::memcpy(&s0, &s[r0], sizeof s0); std::memcpy(&z0, &z[r0], sizeof z0);
+              std::memcpy(&s1, &s[r1], sizeof s1); std::memcpy(&z1, &z[r1], sizeof z1);
+              store16(z0 + lo4 * s0, row + r0);
+              store16(z1 + hi4 * s1, row + r1);
+            }
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nightjar_cpu, m) {
@@ -329,6 +395,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin_signed, Tensor(a!) cache, Tensor slots, int nh) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "int block_size, float scale, int max_query) -> Tensor");
+  m.def("int4_weight_t(Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
@@ -337,4 +404,5 @@ TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("rope_store", rope_store);
   m.impl("paged_attention", paged_attention);
+  m.impl("int4_weight_t", int4_weight_t);
 }

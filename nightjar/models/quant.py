@@ -96,6 +96,8 @@ class QuantLinear(nn.Module):
         n, k, g = self.out_features, self.in_features, self.group_size
         if n % 64:
             return self.dequantize().to(dtype).t().contiguous()
+        if self.qweight.device.type == "cpu" and self.scales.dtype == dtype and _fused_unpack():
+            return torch.ops.nightjar_cpu.int4_weight_t.default(self.qweight, self.scales, g)   # the same numbers
         b = self.qweight.view(n // 64, k, 32).transpose(0, 1)           # [in, blocks, 32]
         q = torch.stack((b & 15, b >> 4), dim=2).to(dtype).view(k // g, g, n)   # [in/g, g, out]
         sz = self.scales.float()                                         # [in/g, out, 2]
@@ -110,6 +112,14 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group={self.group_size}" if self.mode == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}{g}"
+
+
+def _fused_unpack() -> bool:
+    """The fused CPU ops (models/cpu_fused.py) are loaded: ``int4_weight_t`` unpacks a layer ~5x faster than the
+    torch ops below it (one pass instead of six)."""
+    from nightjar.models import cpu_fused
+
+    return cpu_fused.available()
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

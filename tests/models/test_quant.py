@@ -55,6 +55,25 @@ def test_int4_unpacking_inverts_the_cpu_packer():
         assert torch.equal(quant.unpack_int4(packed, out_f, in_f).to(torch.int32), codes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_int4_unpack_gives_the_torch_unpack_bit_for_bit(monkeypatch, dtype):
+    """QuantLinear.weight_t (W^T for a long chunk's GEMM) through the fused CPU op and through torch ops."""
+    from nightjar.models import cpu_fused
+
+    if not cpu_fused.available():
+        pytest.skip("the fused CPU ops did not build here")
+    g = torch.Generator().manual_seed(4)
+    for out_f, in_f in [(64, 64), (192, 128), (128, 96)]:
+        lin = QuantLinear.from_weight(torch.randn(out_f, in_f, generator=g).to(dtype), "int4", 32)
+        fused = lin.weight_t(dtype)
+        monkeypatch.setattr(quant, "_fused_unpack", lambda: False)
+        ref = lin.weight_t(dtype)
+        monkeypatch.undo()
+        assert fused.shape == (in_f, out_f) and torch.equal(fused, ref)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.nightjar_cpu.int4_weight_t(lin.qweight, lin.scales, 16)
+
+
 def test_int4_keeps_q4_0_style_codes_exactly():
     """Weights (q - 8) * d per 32-group, as GGUF Q4_0 stores them, come back with the same codes."""
     g = torch.Generator().manual_seed(3)
