@@ -108,6 +108,13 @@ class KVCache:
         fused CPU ops write and read, models/cpu_fused.py); None otherwise."""
         return self._slots[layer] if self._slots and self.head_major else None
 
+    def slots_by_layer(self) -> list[torch.Tensor] | None:
+        """``layer_slots`` of every layer as one list read at once: the pool may grow or shrink on the event loop
+        while a forward runs on the compute thread, and a forward must see one layout from its first layer to
+        its last (a step's blocks are all in the views it started with)."""
+        slots = self._slots
+        return slots if slots and self.head_major else None
+
     def drop_last_segment(self) -> int:
         if len(self.segments) <= 1:
             raise RuntimeError("the first KV segment cannot be dropped")

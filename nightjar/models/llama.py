@@ -325,10 +325,11 @@ class Attention(nn.Module):
             out[g.token_index] = _attend(q, cache, self.layer, g, scale)
         return out
 
-    def forward_fused(self, x, cos, sin_signed, lay: BatchLayout, cache) -> torch.Tensor:
+    def forward_fused(self, x, cos, sin_signed, lay: BatchLayout, cache, by_slot) -> torch.Tensor:
         """``forward`` where ``LlamaModel.fused_path`` holds, its projections called by their ``forward``
-        (no nn.Module dispatch): x [T, h] -> [T, h]."""
-        out = self._fused(x, cos, sin_signed, lay, cache, cache.layer_slots(self.layer))   # [T, nh, d]
+        (no nn.Module dispatch): x [T, h] -> [T, h]. ``by_slot``: this layer's cache view, taken when the
+        forward began."""
+        out = self._fused(x, cos, sin_signed, lay, cache, by_slot)                      # [T, nh, d]
         return self._modules["o_proj"].forward(out.reshape(x.shape[0], self.cfg.q_size))
 
     def _kernel_attention(self, q, k, v, lay: BatchLayout, cache, scale: float) -> torch.Tensor:
@@ -457,13 +458,14 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(a, x)       # x + a, and its norm
         return x + self.mlp(h)
 
-    def forward_fused(self, x, cos, sin, lay, cache):
+    def forward_fused(self, x, cos, sin, lay, cache, by_slot):
         """``forward`` where ``LlamaModel.fused_path`` holds: the same ops, every submodule reached through
-        ``_modules`` and called by its ``forward``. nn.Module's per-call dispatch and attribute lookups cost
-        ~2 ms a step at B = 1 on the 30-layer target (measured, ~12 % of the step)."""
+        ``_modules`` and called by its ``forward`` (nn.Module's per-call dispatch and attribute lookups cost
+        0.6-0.7 ms a step at B = 1 on the 30-layer target, bench/step_times.py --variants modules,served).
+        ``by_slot``: this layer's cache view, taken when the forward began."""
         ops, m = fused_ops(), self._modules
         ln1, ln2 = m["input_layernorm"], m["post_attention_layernorm"]
-        a = m["self_attn"].forward_fused(ops.rms_norm(x, ln1.weight, ln1.eps), cos, sin, lay, cache)
+        a = m["self_attn"].forward_fused(ops.rms_norm(x, ln1.weight, ln1.eps), cos, sin, lay, cache, by_slot)
         x, h = ops.add_rms_norm(a, x, ln2.weight, ln2.eps)              # x + a, and its norm
         return x + m["mlp"].forward_fused(h)
 
@@ -572,9 +574,9 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(lay.positions)
         sin = signed_sin(sin)
         kept = []
-        fused = self.fused_path(x, cache)
+        slots = cache.slots_by_layer() if self.fused_path(x, cache) else None     # one view per layer
         for i, layer in enumerate(self.layers):
-            x = layer.forward_fused(x, cos, sin, lay, cache) if fused else layer(x, cos, sin, lay, cache)
+            x = layer.forward_fused(x, cos, sin, lay, cache, slots[i]) if slots else layer(x, cos, sin, lay, cache)
             if i in capture:
                 kept.append(x)
         logits = self.lm_head(self.norm(x[lay.logits_index])).float()    # [N, V]

@@ -205,6 +205,30 @@ def test_the_flat_layer_loop_needs_every_condition_of_the_fused_ops(ops):
         assert not model.fused_path(x, cache)
 
 
+def test_a_pool_that_grows_in_the_middle_of_a_forward_leaves_that_forward_on_its_first_views(ops):
+    """The KV actor grows the pool on the event loop while a forward runs on the compute thread: a forward keeps
+    the cache views it began with (it once failed at the next layer, which found no single-tensor view)."""
+    model = random_model(tiny_config(vocab=96, hidden=64, layers=3), seed=13).fuse_projections()
+    model.select_kernels()
+    prompt, table = list(range(3, 20)), [tuple(range(8))]
+    ref_cache = KVCache(3, 2, 16, 4, 8, torch.float32)
+    ref = [model(build_layout([prompt], [0], table, 4, [1]), ref_cache),
+           model(build_layout([[21]], [17], table, 4, [1]), ref_cache)]
+    cache = KVCache(3, 2, 16, 4, 8, torch.float32)
+    layer1 = model.layers[1].forward_fused
+
+    def grow_then_run(*args):
+        if len(cache.segments) == 1:
+            cache.add_segment(4)                  # two segments, no reserve: no single-tensor view any more
+        return layer1(*args)
+    model.layers[1].forward_fused = grow_then_run
+    got = [model(build_layout([prompt], [0], table, 4, [1]), cache)]
+    assert len(cache.segments) == 2 and cache.slots_by_layer() is None
+    got.append(model(build_layout([[21]], [17], table, 4, [1]), cache))     # now on the torch ops
+    for a, b in zip(got, ref):
+        close(a, b, torch.float32)
+
+
 def test_training_keeps_autograd_on_the_torch_ops(ops):
     model = random_model(tiny_config(vocab=96, hidden=64), seed=7)
     set_cpu_fused(model, True)
