@@ -461,7 +461,7 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x, cos, sin, lay, cache, by_slot):
         """``forward`` where ``LlamaModel.fused_path`` holds: the same ops, every submodule reached through
         ``_modules`` and called by its ``forward`` (nn.Module's per-call dispatch and attribute lookups cost
-        0.6-0.7 ms a step at B = 1 on the 30-layer target, bench/step_times.py --variants modules,served).
+        0.7-2 ms a step at B = 1 on the 30-layer target, bench/step_times.py --variants modules,served).
         ``by_slot``: this layer's cache view, taken when the forward began."""
         ops, m = fused_ops(), self._modules
         ln1, ln2 = m["input_layernorm"], m["post_attention_layernorm"]
