@@ -11,7 +11,7 @@ import torch
 
 from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
 from nightjar.actors.gamma_allocator import row_gammas
-from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
+from nightjar.actors.sampler import SamplingHints, argmax_last, sample_from, transform_logits
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -159,7 +159,7 @@ class DraftExecutor(Actor):
     def _pick(self, logits, greedy, temp, top_k, top_p, rids, qs, pass_i: int) -> list[int]:
         """Draft pass ``pass_i``'s tokens: argmax for greedy rows, Gumbel-max with the request's noise of
         that output position for seeded rows, a draw from q (kept in qs for verification) otherwise."""
-        nxt = logits.argmax(-1)                                                        # [R]
+        nxt = argmax_last(logits)                                                      # [R]
         rand = [j for j, g in enumerate(greedy) if not g]
         if not rand:
             return nxt.tolist()

@@ -147,6 +147,18 @@ def seeded_scores(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return probs.log() + noise
 
 
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (the same indices, first maximum, NaN as torch treats it): on CPU fp32 through the
+    fused op (models/cpu_fused.py), ~12x faster over a 49k vocabulary (86 -> 7 µs a row), else torch's."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() >= 1 and x.numel():
+        from nightjar.models import cpu_fused
+
+        if cpu_fused.available():
+            flat = torch.ops.nightjar_cpu.argmax_rows.default(x.reshape(-1, x.shape[-1]))     # [rows]
+            return flat.view(x.shape[:-1])
+    return x.argmax(-1)
+
+
 def draw_uniforms(gens: list[torch.Generator | None], random_rows: list[bool], n: int, device) -> torch.Tensor:
     """uniforms [B, n] from each random row's generator; zeros (nothing drawn) for the other rows."""
     u = torch.zeros(len(gens), n, dtype=torch.float64, device=device)
@@ -188,7 +200,7 @@ def rejection_sample(
     B, G1, V = target_probs.shape
     G = G1 - 1
     p, rows = target_probs, torch.arange(B, device=target_probs.device)
-    argmax = p.argmax(-1) if any_greedy else torch.zeros(B, G1, dtype=torch.int64, device=p.device)  # [B, G+1]
+    argmax = argmax_last(p) if any_greedy else torch.zeros(B, G1, dtype=torch.int64, device=p.device)  # [B, G+1]
     ok = draft_tokens == argmax[:, :G]                                             # [B, G]
     if draft_probs is not None and any_random:
         x = draft_tokens.clamp(min=0)[..., None]                                   # [B, G, 1]

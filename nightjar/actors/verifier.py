@@ -10,7 +10,7 @@ import torch
 
 from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
 from nightjar.actors.draft import DraftBuffers
-from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits, verify
+from nightjar.actors.sampler import SamplingHints, argmax_last, sample_from, transform_logits, verify
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -164,7 +164,7 @@ class Verifier(Actor):
     def _sample_one(self, logits, rid) -> int:
         m = self.mirrors[rid]
         if m.greedy:
-            return int(logits.argmax())
+            return int(argmax_last(logits))
         temp, top_k, top_p = sampling_tensors([m.sampling], logits.device)
         hints = SamplingHints.of_specs([m.sampling], logits.shape[-1])
         probs = transform_logits(logits[None], temp, top_k, top_p, hints)          # [1, V]

@@ -9,6 +9,7 @@
 //   paged_attention q [T, nh, d] over a head-major paged cache, causal within each row's query chunk (rows of
 //                   at most max_query queries: one row's numbers never depend on the other rows of the step)
 //   int4_weight_t   torch's packed int4 weight + group scales -> W^T [k, n] (a quantized layer's long chunks)
+//   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
 // Every op accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -386,6 +387,53 @@ at::Tensor int4_weight_t(const at::Tensor& qweight, const at::Tensor& sz, int64_
   return out;
 }
 
+int64_t first_nan(const float* x, int64_t V) {
+  for (int64_t j = 0; j < V; ++j)
+    if (x[j] != x[j]) return j;
+  return 0;
+}
+
+int64_t argmax_row(const float* x, int64_t V) {
+  v16 best = v16{} - std::numeric_limits<float>::infinity();
+  i16 at{}, lane, nans{};
+  for (int l = 0; l < 16; ++l) lane[l] = l;
+  int64_t i = 0;
+  for (; i + 16 <= V; i += 16) {
+    v16 v;
+    std::memcpy(&v, x + i, sizeof v);
+    const i16 gt = v > best;                       // strictly greater: each lane keeps its first maximum
+    nans |= v != v;
+    best = gt ? v : best;
+    at = gt ? lane + static_cast<int32_t>(i) : at;
+  }
+  int64_t idx = -1;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < 16; ++l) {
+    if (nans[l]) return first_nan(x, V);
+    if (best[l] > m || (best[l] == m && idx >= 0 && at[l] < idx)) { m = best[l]; idx = at[l]; }
+  }
+  for (; i < V; ++i) {
+    if (x[i] != x[i]) return first_nan(x, V);
+    if (x[i] > m) { m = x[i]; idx = i; }
+  }
+  return idx < 0 ? 0 : idx;                        // every value -inf: torch returns 0
+}
+
+// argmax over the last dim of x [N, V] fp32 -> [N] int64, as torch.argmax: the first index of the largest
+// value, or of the first NaN (a NaN row is a NaN's argmax in torch too)
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "expected a contiguous fp32 [N, V] tensor");
+  const int64_t N = x.size(0), V = x.size(1);
+  auto out = at::empty({N}, x.options().dtype(at::kLong));
+  const float* px = x.data_ptr<float>();
+  int64_t* po = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) po[r] = argmax_row(px + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nightjar_cpu, m) {
@@ -396,6 +444,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "int block_size, float scale, int max_query) -> Tensor");
   m.def("int4_weight_t(Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
@@ -405,4 +454,5 @@ TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
   m.impl("rope_store", rope_store);
   m.impl("paged_attention", paged_attention);
   m.impl("int4_weight_t", int4_weight_t);
+  m.impl("argmax_rows", argmax_rows);
 }

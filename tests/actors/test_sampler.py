@@ -3,11 +3,13 @@ Gumbel-max draws follow the distribution and never pick a zero-probability token
 emits p's distribution whatever the draft."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nightjar.actors.sampler import (
     _inverse_cdf,
     _sorted_probs,
+    argmax_last,
     draw_uniforms,
     gumbel_noise,
     rejection_sample,
@@ -142,3 +144,19 @@ def test_verification_emits_the_target_distribution_when_the_draft_lives_on_a_re
         freq = torch.bincount(toks[reached, pos], minlength=V).float() / int(reached.sum())
         assert torch.allclose(freq, p[0, 0], atol=0.02), (pos, freq)
     assert 0 < acc.float().mean() < G
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 49152, 49157])
+def test_argmax_last_is_torch_argmax_ties_nan_and_minus_inf_included(vocab):
+    """The fused argmax (CPU fp32, models/cpu_fused.py) returns torch.argmax's indices: first maximum, the first
+    NaN of a row that has one, 0 for a row of -inf; other dtypes and strided tensors take torch's."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(0, 3, (2, 6, vocab), generator=g).float()            # many ties
+    x[0, 1, vocab // 2] = float("nan")
+    x[0, 2].fill_(float("-inf"))
+    x[1, 3, -1] = float("nan")
+    x[1, 4] = torch.randn(vocab, generator=g)
+    assert torch.equal(argmax_last(x), x.argmax(-1))
+    assert torch.equal(argmax_last(x[0, 4]), x[0, 4].argmax(-1))          # one row, 0-d result
+    assert torch.equal(argmax_last(x.transpose(0, 1)), x.transpose(0, 1).argmax(-1))
+    assert torch.equal(argmax_last(x.double()), x.double().argmax(-1))
