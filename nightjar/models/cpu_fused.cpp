@@ -10,7 +10,7 @@
 //                   at most max_query queries: one row's numbers never depend on the other rows of the step)
 //   int4_weight_t   torch's packed int4 weight + group scales -> W^T [k, n] (a quantized layer's long chunks)
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
-// Every op accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
+// Every op that computes values accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

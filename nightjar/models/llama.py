@@ -309,18 +309,13 @@ class Attention(nn.Module):
         SHORT_QUERY queries) in one more, a prefill row's long query by batched matmuls (they serve it
         better) -> [T, nh, d]. Each row takes the same path whatever else is in the step. ``by_slot`` is this
         layer's [2, nkv, S, d] cache view."""
-        ops = fused_ops()
+        ops, scale = fused_ops(), 1.0 / math.sqrt(self.cfg.head_dim)
         q = ops.rope_store(self._modules["qkv_proj"].forward(x), cos, sin_signed, by_slot, lay.slot_mapping,
                            self.cfg.num_heads)                                       # [T, nh, d]
-        return self._attend_fused(q, lay, cache, by_slot)
-
-    def _attend_fused(self, q, lay: BatchLayout, cache, by_slot) -> torch.Tensor:
-        """q [T, nh, d] (rope applied, K/V stored) -> attention output [T, nh, d]."""
-        scale = 1.0 / math.sqrt(self.cfg.head_dim)
         if len(lay.long_groups) == len(lay.groups):
             return paged_attention(q, cache, self.layer, lay, scale)
-        out = fused_ops().paged_attention(q, by_slot, lay.block_tables, lay.query_start_loc, lay.seq_lens,
-                                          cache.block_size, scale, SHORT_QUERY)
+        out = ops.paged_attention(q, by_slot, lay.block_tables, lay.query_start_loc, lay.seq_lens,
+                                  cache.block_size, scale, SHORT_QUERY)
         for g in lay.long_groups:
             out[g.token_index] = _attend(q, cache, self.layer, g, scale)
         return out
