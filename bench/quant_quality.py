@@ -6,11 +6,11 @@
         [--sections kernels,steps,quality,stream] [--threads N]
 
 Every variant is loaded as the engine loads it (``models.quant.load_quantized``: bf16 = the served bf16
-model; int8/int4 = layers quantized, LM head bf16). Sections:
+model; int8/int4 = layers quantized, LM head an int8 copy where the fused CPU ops build). Sections:
 
 * **kernels** (only when asked): one layer of each MLP shape at M rows: bf16 ``F.linear``, the packed
-  int8/int4 kernels (int4 with group 32 and 64) and dequantize-then-GEMM: where PACKED_MAX_ROWS and the
-  group size come from.
+  int8/int4 kernels (int4 with group 32 and 64), dequantize-then-GEMM and the int8 head's ``int8_linear``:
+  where PACKED_MAX_ROWS and the group size come from.
 * **steps**: median target step time T(B, q) at context 256, the variants timed in turn within every
   repetition (interleaved), with each one's ratio to bf16.
 * **quality**, on the held-out prompts of nightjar/data (chat template): the fp32 model's greedy answer
@@ -53,7 +53,7 @@ def load_variants(model: str, modes: list[str]) -> dict:
     return out
 
 
-COLS = ("bf16", "onednn", "int8", "int8d", "int4", "int4b", "int4d")
+COLS = ("bf16", "onednn", "int8", "int8d", "int8h", "int4", "int4b", "int4d")
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -61,16 +61,19 @@ def kernel_table(rows: list[int], shapes: list[tuple[int, int]], reps: int) -> N
     """Per layer shape and rows M: bf16 F.linear, each quantized kernel, and dequantize + GEMM (us)."""
     import torch.nn.functional as F
 
+    from nightjar.models import cpu_fused
     from nightjar.models.cpu_linear import PackedLinear
-    from nightjar.models.quant import QuantLinear
+    from nightjar.models.quant import QuantHead, QuantLinear
 
     print(f"\n## One linear layer, us (p20 of {reps * 5} calls, interleaved): packed kernel vs dequantize + GEMM")
-    print("| out x in | M | bf16 | bf16 oneDNN | int8 | int8 deq+GEMM | int4 g32 | int4 g64 | int4 g32 deq+GEMM |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| out x in | M | bf16 | bf16 oneDNN | int8 | int8 deq+GEMM | int8_linear (QuantHead) | int4 g32 | int4 g64 "
+          "| int4 g32 deq+GEMM |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for n, k in shapes:
         w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
         packed = PackedLinear(w)
+        q8h = QuantHead.from_weight(w) if cpu_fused.available() else None
         q8, q4, q4b = (QuantLinear.from_weight(w, "int8"), QuantLinear.from_weight(w, "int4", 32),
                        QuantLinear.from_weight(w, "int4", 64) if k % 64 == 0 else None)
         for m in rows:
@@ -78,6 +81,7 @@ def kernel_table(rows: list[int], shapes: list[tuple[int, int]], reps: int) -> N
             fns = {"bf16": lambda: F.linear(x, w), "onednn": lambda: packed(x),
                    "int8": lambda: torch.ops.aten._weight_int8pack_mm(x, q8.qweight, q8.scales),
                    "int8d": lambda: q8.dense_mm(x),
+                   "int8h": (lambda: q8h(x)) if q8h else None,
                    "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4.qweight, 32, q4.scales),
                    "int4b": (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4b.qweight, 64, q4b.scales))
                    if q4b else None,

@@ -12,11 +12,14 @@ noisy machine slows them alike:
   torch   ``served`` with torch ops in place of the fused C++ ops (the CPU engine before them)
   modules ``served`` with every layer's ops reached through nn.Module calls (the fused path before
           ``DecoderLayer.forward_fused``)
+  int8, int4  ``served`` with ``--quantization int8|int4`` (layers quantized, the LM head an int8 copy)
+  int8-bf16head, int4-bf16head  the same with the LM head left in the dtype (oneDNN-packed, as before QuantHead)
 With several variants the table prints each one's median and its ratio to the first.
 
 The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);
 the packed LM head of a tied-embedding model is a second copy of the embedding but the step reads only one
-of them, so the floor counts the parameters once.
+of them, so the floor counts the parameters once (and a quantized head's embedding table, of which a step
+reads a few rows, not at all).
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
 
-VARIANTS = ("plain", "fused", "served", "torch", "modules")
+QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int8-bf16head": ("int8", False),
+             "int4-bf16head": ("int4", False)}
+VARIANTS = ("plain", "fused", "served", "torch", "modules", *QUANTIZED)
 
 
 def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
@@ -61,6 +66,9 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
         cfg, state = read_safetensors_state(path)
     models = {}
     for name in names:
+        if name in QUANTIZED:
+            models[name] = quantized_variant(cfg, state, dtype, device, *QUANTIZED[name])
+            continue
         model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
         if name in ("served", "torch", "modules"):
             model.pack_cpu_weights()
@@ -69,6 +77,18 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
             model.fused_path = lambda x, cache: False                    # this instance only
         models[name] = model
     return models
+
+
+def quantized_variant(cfg, state: dict, dtype: str, device: str, mode: str, head: bool):
+    """As ``load_quantized``: built in fp32, quantized (the head too with ``head``), cast, packed."""
+    from nightjar.models.quant import cast_floats, quantize_model
+
+    model = build_model(cfg, {k: v.float() for k, v in state.items()}, torch.float32, device, fuse=True)
+    quantize_model(model, mode, head=head)
+    cast_floats(model, parse_dtype(dtype))
+    model.pack_cpu_weights()
+    model.select_kernels(cpu_fused=None)
+    return model
 
 
 class Step:
@@ -119,7 +139,7 @@ def main(argv=None) -> None:
     models = build_variants(a.model, a.dtype, a.device, names)
     first = models[names[0]]
     bw = copy_bandwidth(a.device)
-    nbytes = first.weight_bytes() - _tied_copy(first)          # what one step reads
+    nbytes = first.weight_bytes() - _unread_bytes(first)       # what one step reads
     floor = nbytes / bw
     Bs, qs = [int(x) for x in a.batches.split(",")], [int(x) for x in a.queries.split(",")]
     print(f"# {a.model} {a.dtype} on {a.device}, context {a.context}: weights read per step {nbytes / 1e6:.1f} MB, "
@@ -137,11 +157,15 @@ def main(argv=None) -> None:
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
 
 
-def _tied_copy(model) -> int:
-    """Bytes of a packed LM head that duplicates a tied embedding (held, but not read twice per step)."""
+def _unread_bytes(model) -> int:
+    """Bytes held but not streamed by a step: a packed LM head's copy of a tied embedding, or the embedding
+    table beside an int8 head (a step reads a few of its rows)."""
     from nightjar.models.cpu_linear import PackedLinear
+    from nightjar.models.quant import QuantHead
 
-    head = model.lm_head
+    head, table = model.lm_head, model.embed_tokens.weight
+    if isinstance(head, QuantHead):
+        return table.numel() * table.element_size()
     return head.nbytes if isinstance(head, PackedLinear) and model.cfg.tie_embeddings else 0
 
 

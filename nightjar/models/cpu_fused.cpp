@@ -10,11 +10,16 @@
 //                   at most max_query queries: one row's numbers never depend on the other rows of the step)
 //   int4_weight_t   torch's packed int4 weight + group scales -> W^T [k, n] (a quantized layer's long chunks)
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
+//   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 (the int8 LM head of a quantized model)
 // Every op that computes values accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -387,6 +392,176 @@ at::Tensor int4_weight_t(const at::Tensor& qweight, const at::Tensor& sz, int64_
   return out;
 }
 
+// ---- int8_linear: y = x @ (q * scale)^T, int8 weight rows with one scale each -----------------------------
+// Tiles of NT weight rows x up to MT rows of x: a weight tile is widened once into a small buffer (bf16 for the
+// AVX512-BF16 path, fp32 otherwise) that every row of x reuses; the tile's MT x NT accumulators stay in
+// registers and are summed together by reduce16. An output is the same sequence of operations whatever M,
+// the tiling or the threads: a row's numbers never depend on the step's other rows.
+constexpr int MT = 4, NT = 4;
+typedef int8_t c16 __attribute__((vector_size(16)));
+
+// a[16] -> their lane sums (lane i: the sum of a[i]'s lanes); halving shuffles, so every sum is formed in
+// the same order whichever slot its vector holds
+inline v16 reduce16(const v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// R rows of fp32 x (rows of C 16-lane chunks) against NT widened weight rows -> acc[R * NT] (row-major)
+template <int R>
+inline void tile_f32(const v16* x, const v16* w, int64_t C, v16* acc) {
+  v16 a[R][NT] = {};
+  for (int64_t c = 0; c < C; ++c)
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NT; ++j) a[i][j] += x[i * C + c] * w[j * C + c];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NT; ++j) acc[i * NT + j] = a[i][j];
+}
+
+#if defined(__AVX512BF16__)
+// the same with bf16 x (rows of K) and bf16 weights: one vdpbf16ps per 32 inputs (int8 codes are exact in bf16)
+template <int R>
+inline void tile_bf16(const c10::BFloat16* x, int64_t K, const __m512bh* w, int64_t C, v16* acc) {
+  __m512 a[R][NT];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NT; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c)
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + 32 * c);
+      for (int j = 0; j < NT; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, w[j * C + c]);
+    }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NT; ++j) acc[i * NT + j] = (v16)a[i][j];
+}
+
+inline __m512bh widen32_bf16(const int8_t* q) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+  const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+  return _mm512_cvtne2ps_pbh(b, a);                               // elements 0..15 from a, 16..31 from b
+}
+#endif
+
+inline v16 widen16(const int8_t* q, int64_t n) {
+  if (n >= 16) {
+    c16 raw;
+    std::memcpy(&raw, q, sizeof raw);
+    return __builtin_convertvector(raw, v16);
+  }
+  v16 out{};
+  for (int64_t i = 0; i < n; ++i) out[i] = q[i];
+  return out;
+}
+
+// one NT x (up to MT) output tile: acc [MT * NT] -> y rows m0.., columns n0.. scaled by the rows' scales
+template <typename S>
+inline void store_tile(const v16* acc, const S* sc, float* y, int64_t m0, int64_t mt, int64_t n0, int64_t nt,
+                       int64_t N) {
+  const v16 sums = reduce16(acc);
+  for (int64_t i = 0; i < mt; ++i)
+    for (int64_t j = 0; j < nt; ++j) y[(m0 + i) * N + n0 + j] = sums[i * NT + j] * f32(sc[n0 + j]);
+}
+
+template <typename Tile>
+inline void by_rows(int64_t mt, Tile&& tile) {
+  switch (mt) {
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    default: tile(std::integral_constant<int, 4>{});
+  }
+}
+
+// xf [M, C] fp32 chunks (rows zero-padded to C * 16)
+template <typename S>
+void int8_linear_f32(const v16* xf, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t C = (K + 15) / 16;
+  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<v16> w(NT * C);
+    v16 acc[MT * NT];
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
+      for (int64_t j = 0; j < NT; ++j)
+        for (int64_t c = 0; c < C; ++c) w[j * C + c] = j < nt ? widen16(q + (n0 + j) * K + 16 * c, K - 16 * c) : v16{};
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min<int64_t>(MT, M - m0);
+        std::fill(acc, acc + MT * NT, v16{});
+        by_rows(mt, [&](auto r) { tile_f32<decltype(r)::value>(xf + m0 * C, w.data(), C, acc); });
+        store_tile(acc, sc, y, m0, mt, n0, nt, N);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+template <typename S>
+void int8_linear_bf16(const c10::BFloat16* x, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N,
+                      int64_t K) {
+  const int64_t C = K / 32;
+  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<__m512bh> w(NT * C);
+    v16 acc[MT * NT];
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
+      for (int64_t j = 0; j < NT; ++j)
+        for (int64_t c = 0; c < C; ++c)
+          w[j * C + c] = j < nt ? widen32_bf16(q + (n0 + j) * K + 32 * c) : (__m512bh)_mm512_setzero_si512();
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min<int64_t>(MT, M - m0);
+        std::fill(acc, acc + MT * NT, v16{});
+        by_rows(mt, [&](auto r) { tile_bf16<decltype(r)::value>(x + m0 * K, K, w.data(), C, acc); });
+        store_tile(acc, sc, y, m0, mt, n0, nt, N);
+      }
+    }
+  });
+}
+#endif
+
+// x [M, K] (float or bfloat16) @ (q [N, K] int8 * scales [N])^T -> [M, N] fp32
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(1) == x.size(1),
+              "q must be a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.size(0) == q.size(0), "scales must be [N]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float or bfloat16");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
+              "scales must be float or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y;
+  const int8_t* pq = q.data_ptr<int8_t>();
+  float* py = y.data_ptr<float>();
+  auto run = [&](auto* ps) {
+#if defined(__AVX512BF16__)
+    if (x.scalar_type() == at::kBFloat16 && K % 32 == 0) {
+      int8_linear_bf16(x.data_ptr<c10::BFloat16>(), pq, ps, py, M, N, K);
+      return;
+    }
+#endif
+    const int64_t C = (K + 15) / 16;
+    std::vector<v16> xf(M * C);                                   // x widened to fp32, rows zero-padded
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {
+      const scalar_t* px = x.data_ptr<scalar_t>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < C; ++c) xf[m * C + c] = load16(px + m * K + 16 * c, K - 16 * c);
+    });
+    int8_linear_f32(xf.data(), pq, ps, py, M, N, K);
+  };
+  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<c10::BFloat16>());
+  else run(scales.data_ptr<float>());
+  return y;
+}
+
 int64_t first_nan(const float* x, int64_t V) {
   for (int64_t j = 0; j < V; ++j)
     if (x[j] != x[j]) return j;
@@ -445,6 +620,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
         "int block_size, float scale, int max_query) -> Tensor");
   m.def("int4_weight_t(Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
@@ -455,4 +631,5 @@ TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("int4_weight_t", int4_weight_t);
   m.impl("argmax_rows", argmax_rows);
+  m.impl("int8_linear", int8_linear);
 }

@@ -13,8 +13,11 @@ scales cannot be expressed by per-channel int8 scales: int8 requantizes.
 
 The packed kernels are GEMV-shaped: their time grows about linearly in the rows M of x. Past
 ``PACKED_MAX_ROWS[mode]`` rows (prefill chunks, large batches) a layer dequantizes its weight once per call (in
-the activations' dtype) and runs one dense GEMM instead. The LM head is not quantized (see
-docs/quantization.md for the measurements).
+the activations' dtype) and runs one dense GEMM instead.
+
+The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per row) run by the fused CPU op
+``int8_linear``, whose rows never depend on the step's other rows; where that op does not build, the head
+stays in the model's dtype (docs/quantization.md has the measurements).
 """
 from __future__ import annotations
 
@@ -117,6 +120,42 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}{g}"
 
 
+class QuantHead(nn.Module):
+    """The LM head as int8 codes [V, h] with one fp32 scale per row; returns fp32 logits. A separate copy
+    when the head is tied: the embedding keeps its table for lookups."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [V, h]
+        self.scales = nn.Parameter(scales, requires_grad=False)     # fp32 [V] (cast_floats leaves them)
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor) -> QuantHead:
+        """Symmetric int8 per row (max |w| -> 127), fp32 scales."""
+        q, s = quantize_int8(w.detach().float())
+        return cls(q, s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., h] -> fp32 logits [..., V]."""
+        x2 = x.reshape(-1, self.in_features).contiguous()             # [M, h]
+        if cpu_fused.available():
+            y = torch.ops.nightjar_cpu.int8_linear.default(x2, self.qweight, self.scales)
+        else:                                                          # the op went away after loading: slow
+            y = F.linear(x2.float(), self.dequantize())
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [V, h] in fp32."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in (self.qweight, self.scales))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> int8 codes [out, in], per-row scales [out] (symmetric, max |w| -> 127)."""
     w32 = w.detach().float()
@@ -183,11 +222,11 @@ def _linear_weight(m: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP) -> int:
+def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP, head: bool = True) -> int:
     """Replace every bias-free linear layer inside ``model.layers`` by a QuantLinear; returns how many.
-
-    The embedding, norms and LM head keep their dtype. Runs after loading (and after fusion).
-    """
+    With ``head`` (and the fused CPU ops built) the LM head becomes a QuantHead (int8 in both modes, as
+    GGUF files keep theirs in Q8_0 beside Q4 layers). The embedding and norms keep their dtype. Runs after
+    loading (and after fusion)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; use one of {MODES}")
     if mode == "none":
@@ -199,6 +238,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP) ->
         parent_name, _, attr = name.rpartition(".")
         parent = model.layers.get_submodule(parent_name) if parent_name else model.layers
         setattr(parent, attr, QuantLinear.from_weight(w, mode, group_size))
+    if head and cpu_fused.available() and (w := _linear_weight(model.lm_head)) is not None:
+        model.lm_head = QuantHead.from_weight(w)
     return len(swaps)
 
 
@@ -207,9 +248,11 @@ def quantized_modes(model: nn.Module) -> set[str]:
 
 
 def cast_floats(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating-point parameters (scales included) to ``dtype``; codes and buffers (RoPE) stay."""
+    """Cast floating-point parameters (layer scales included) to ``dtype``; codes, buffers (RoPE) and the int8
+    head's fp32 scales stay (a row's scale multiplies its whole logit: bf16's 8 bits would shift it ~0.2 %)."""
+    keep = {id(m.scales) for m in model.modules() if isinstance(m, QuantHead)}
     for p in model.parameters():
-        if p.is_floating_point():
+        if p.is_floating_point() and id(p) not in keep:
             p.data = p.data.to(dtype)
     return model
 

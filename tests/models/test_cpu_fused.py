@@ -254,3 +254,33 @@ def test_the_switch_off_keeps_the_torch_ops(monkeypatch):
     model = random_model(tiny_config(vocab=96, hidden=64), seed=8)
     model.select_kernels()
     assert not model.layers[0].self_attn.cpu_fused and not model.norm.cpu_fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 64, 40])            # 40: neither 32- nor 16-aligned (the generic path's tails)
+def test_int8_linear_matches_the_dequantized_weight_and_a_row_never_depends_on_the_step(ops, dtype, k):
+    g = torch.Generator().manual_seed(0)
+    n, m = 203, 9                                       # neither a multiple of the 4 x 4 tile
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=g).to(dtype)
+    y = ops.int8_linear(x, q, s)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for rows in (1, 2, 3, 4, 5):                        # every tile shape: a row gets the full step's bits
+        for start in range(0, m - rows + 1, 2):
+            assert torch.equal(ops.int8_linear(x[start:start + rows].contiguous(), q, s), y[start:start + rows])
+    sb = s.bfloat16()                                   # bf16 scales are read as the fp32 values they hold
+    assert torch.equal(ops.int8_linear(x, q, sb), ops.int8_linear(x, q, sb.float()))
+
+
+def test_int8_linear_rejects_what_it_cannot_compute(ops):
+    x, q, s = torch.randn(2, 32), torch.zeros(5, 32, dtype=torch.int8), torch.ones(5)
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.int8_linear(x, q.float(), s)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.int8_linear(x, q, torch.ones(4))
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.int8_linear(x.half(), q, s)
+    assert ops.int8_linear(x[:0], q, s).shape == (0, 5)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import nightjar.models.quant as quant
-from nightjar.models import LoadedModel
-from nightjar.models.quant import QuantLinear, quantize_int4, quantize_model
+from nightjar.models import LoadedModel, cpu_fused
+from nightjar.models.quant import QuantHead, QuantLinear, quantize_int4, quantize_model
 from nightjar.sampling import SamplingParams
 from tests.conftest import perturbed, random_model, tiny_config
 
@@ -115,12 +115,36 @@ def test_the_pass_replaces_every_layer_linear_and_weight_bytes_shrinks(mode):
     q = quantized(model, mode)
     assert sum(isinstance(m, QuantLinear) for m in q.layers.modules()) == n_linear
     assert not any(type(m) is torch.nn.Linear for m in q.layers.modules())
-    assert q.lm_head.weight is q.embed_tokens.weight                    # tied, unquantized
     layer_bytes = sum(m.weight.numel() * 4 for m in model.layers.modules() if type(m) is torch.nn.Linear)
     qbytes = sum(m.nbytes for m in q.modules() if isinstance(m, QuantLinear))
-    assert q.weight_bytes() == before - layer_bytes + qbytes
+    head = q.lm_head
+    if cpu_fused.available():                          # an int8 copy beside the embedding table it was tied to
+        assert isinstance(head, QuantHead) and head.qweight.dtype == torch.int8 and head.scales.dtype == torch.float32
+        assert q.embed_tokens.weight.dtype == torch.float32
+        assert q.weight_bytes() == before - layer_bytes + qbytes + head.nbytes
+    else:                                              # no int8_linear here: the head stays tied, unquantized
+        assert head.weight is q.embed_tokens.weight
+        assert q.weight_bytes() == before - layer_bytes + qbytes
     assert qbytes < layer_bytes / (3 if mode == "int8" else 4)
     assert all(not p.requires_grad for m in q.modules() if isinstance(m, QuantLinear) for p in m.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_head_gives_the_logits_of_its_dequantized_weight(monkeypatch, dtype):
+    if not cpu_fused.available():
+        pytest.skip("no fused CPU ops: the head stays unquantized")
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=5)
+    w = model.lm_head.weight.detach().clone()
+    head = QuantHead.from_weight(w)
+    step = head.scales[:, None] / 2                                    # half a code step per row
+    assert ((head.dequantize() - w).abs() <= step * 1.0001).all()
+    x = torch.randn(2, 3, 64).to(dtype)
+    got = head(x)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 96)
+    ref = x.double() @ head.dequantize().double().T
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    monkeypatch.setattr(cpu_fused, "available", lambda: False)       # the torch fallback: the same numbers
+    assert torch.allclose(head(x), got, rtol=1e-5, atol=1e-5)
 
 
 async def test_a_quantized_draft_round_trips_offload_release_reload_exactly():
