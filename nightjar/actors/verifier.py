@@ -108,6 +108,8 @@ class Verifier(Actor):
         B, G = s.num_decode, gamma
         rids = list(s.req_ids[:B])
         mirrors = [self.mirrors[r] for r in rids]
+        if self.synthetic is None and all(m.greedy for m in mirrors):
+            return _verify_greedy(logits, offsets[:B], drafts)
         idx = torch.tensor([[offsets[b] + min(i, len(drafts[b])) for i in range(G + 1)] for b in range(B)])
         tl = logits[idx]                                                              # [B, G+1, V]
         specs = [m.sampling for m in mirrors]
@@ -197,3 +199,18 @@ class Verifier(Actor):
             draft_time_s=drafted.draft_time_s if drafted else 0.0,
         )
         return [verified, timed]
+
+
+def _verify_greedy(logits: torch.Tensor, offsets: list[int], drafts: list[list[int]]):
+    """All-greedy decode rows: one argmax over the rows' logits [N, V], acceptance on the host. The tokens
+    ``rejection_sample`` gives greedy rows (the drafts up to the first that is not the argmax, then the
+    argmax there), without its dozen small tensor ops (~0.5 ms a step at one row)."""
+    best = argmax_last(logits).tolist()                                      # [N]
+    toks, acc = [], []
+    for off, d in zip(offsets, drafts):
+        k = 0
+        while k < len(d) and d[k] == best[off + k]:
+            k += 1
+        toks.append(d[:k] + [best[off + k]])
+        acc.append(k)
+    return toks, acc

@@ -160,3 +160,25 @@ def test_argmax_last_is_torch_argmax_ties_nan_and_minus_inf_included(vocab):
     assert torch.equal(argmax_last(x[0, 4]), x[0, 4].argmax(-1))          # one row, 0-d result
     assert torch.equal(argmax_last(x.transpose(0, 1)), x.transpose(0, 1).argmax(-1))
     assert torch.equal(argmax_last(x.double()), x.double().argmax(-1))
+
+
+def test_the_verifiers_all_greedy_host_path_gives_rejection_samplings_tokens():
+    """Verifier._verify_decode takes ``_verify_greedy`` when every row is greedy: its rows' logits packed as the
+    target returns them ([sum of 1 + drafts, V]) must give what rejection_sample gives on the padded batch."""
+    from nightjar.actors.verifier import _verify_greedy
+
+    g = torch.Generator().manual_seed(3)
+    B, G, V = 9, 4, 40
+    logits = torch.randn(B, G + 1, V, generator=g)                                 # [B, G+1, V]
+    argmax = logits.argmax(-1)
+    nd = torch.randint(0, G + 1, (B,), generator=g)
+    drafts = torch.where(torch.rand(B, G, generator=g) < 0.7, argmax[:, :G], torch.randint(0, V, (B, G), generator=g))
+    drafts = torch.where(torch.arange(G) < nd[:, None], drafts, -1)
+    toks, acc = rejection_sample(logits, drafts, None, nd, torch.ones(B, dtype=torch.bool), torch.zeros(B, G + 1),
+                                 any_random=False)
+    rows = [d[:n].tolist() for d, n in zip(drafts, nd.tolist())]
+    packed = torch.cat([logits[b, : n + 1] for b, n in enumerate(nd.tolist())])    # [sum(nd + 1), V]
+    offsets = (torch.cumsum(nd + 1, 0) - (nd + 1)).tolist()
+    got_toks, got_acc = _verify_greedy(packed, offsets, rows)
+    assert got_acc == acc.tolist() and 0 < sum(got_acc) < int(nd.sum())
+    assert got_toks == [[t for t in row if t >= 0] for row in toks.tolist()]
