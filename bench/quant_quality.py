@@ -53,7 +53,7 @@ def load_variants(model: str, modes: list[str]) -> dict:
     return out
 
 
-COLS = ("bf16", "onednn", "int8", "int8d", "int8h", "int4", "int4b", "int4d")
+COLS = ("bf16", "onednn", "int8", "int8d", "int8h", "int4", "int4b", "int4d", "int4f")
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -67,8 +67,8 @@ def kernel_table(rows: list[int], shapes: list[tuple[int, int]], reps: int) -> N
 
     print(f"\n## One linear layer, us (p20 of {reps * 5} calls, interleaved): packed kernel vs dequantize + GEMM")
     print("| out x in | M | bf16 | bf16 oneDNN | int8 | int8 deq+GEMM | int8_linear (QuantHead) | int4 g32 | int4 g64 "
-          "| int4 g32 deq+GEMM |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| int4 g32 deq+GEMM | int4_linear g32 (QuantLinear) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for n, k in shapes:
         w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
@@ -85,7 +85,9 @@ def kernel_table(rows: list[int], shapes: list[tuple[int, int]], reps: int) -> N
                    "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4.qweight, 32, q4.scales),
                    "int4b": (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4b.qweight, 64, q4b.scales))
                    if q4b else None,
-                   "int4d": lambda: q4.dense_mm(x)}
+                   "int4d": lambda: q4.dense_mm(x),
+                   "int4f": (lambda: torch.ops.nightjar_cpu.int4_linear.default(x, q4.qweight, q4.scales, 32))
+                   if cpu_fused.available() and n % 64 == 0 else None}
             ts = {name: [] for name, f in fns.items() if f}
             for _ in range(reps * 5 + 2):
                 for name in ts:

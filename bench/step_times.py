@@ -14,6 +14,7 @@ noisy machine slows them alike:
           ``DecoderLayer.forward_fused``)
   int8, int4  ``served`` with ``--quantization int8|int4`` (layers quantized, the LM head an int8 copy)
   int8-bf16head, int4-bf16head  the same with the LM head left in the dtype (oneDNN-packed, as before QuantHead)
+  int4-torchmm  ``int4`` with torch's packed int4 kernel in place of the fused ``int4_linear`` (as before it)
 With several variants the table prints each one's median and its ratio to the first.
 
 The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);
@@ -34,7 +35,7 @@ from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
 
 QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int8-bf16head": ("int8", False),
-             "int4-bf16head": ("int4", False)}
+             "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True)}
 VARIANTS = ("plain", "fused", "served", "torch", "modules", *QUANTIZED)
 
 
@@ -67,7 +68,7 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
     models = {}
     for name in names:
         if name in QUANTIZED:
-            models[name] = quantized_variant(cfg, state, dtype, device, *QUANTIZED[name])
+            models[name] = quantized_variant(cfg, state, dtype, device, *QUANTIZED[name], name.endswith("torchmm"))
             continue
         model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
         if name in ("served", "torch", "modules"):
@@ -79,12 +80,16 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
     return models
 
 
-def quantized_variant(cfg, state: dict, dtype: str, device: str, mode: str, head: bool):
-    """As ``load_quantized``: built in fp32, quantized (the head too with ``head``), cast, packed."""
-    from nightjar.models.quant import cast_floats, quantize_model
+def quantized_variant(cfg, state: dict, dtype: str, device: str, mode: str, head: bool, torch_mm: bool = False):
+    """As ``load_quantized``: built in fp32, quantized (the head too with ``head``), cast, packed; ``torch_mm``:
+    int4 layers on torch's packed kernel."""
+    from nightjar.models.quant import QuantLinear, cast_floats, quantize_model
 
     model = build_model(cfg, {k: v.float() for k, v in state.items()}, torch.float32, device, fuse=True)
     quantize_model(model, mode, head=head)
+    for m in model.modules():
+        if torch_mm and isinstance(m, QuantLinear):
+            m.use_fused = False
     cast_floats(model, parse_dtype(dtype))
     model.pack_cpu_weights()
     model.select_kernels(cpu_fused=None)

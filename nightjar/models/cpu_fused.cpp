@@ -11,13 +11,14 @@
 //   int4_weight_t   torch's packed int4 weight + group scales -> W^T [k, n] (a quantized layer's long chunks)
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
 //   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 (the int8 LM head of a quantized model)
+//   int4_linear     x [M, K] @ W^T, W in torch's int4 pack + group scales -> [M, N] (an int4 layer's short calls)
 // Every op that computes values accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -562,6 +563,180 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y;
 }
 
+// ---- int4_linear: y = x @ W^T with W in torch's CPU int4 pack (see int4_weight_t) and group scales/zeros -----
+// One 32-byte column of a 64-row block holds that input's codes for all 64 rows, so a block is read once per
+// tile of up to MT rows of x: per group, codes (exact small integers in fp32) times x accumulate in registers,
+// then y += s * acc + (z - 8 s) * (the group's sum of x). An output is the same sequence of operations whatever
+// M, the tiling or the threads: a row's numbers never depend on the step's other rows.
+constexpr int MT4 = 6;                      // rows of x per int4 tile: 6 x 4 accumulators + 4 code vectors
+
+template <typename Tile>
+inline void by_rows6(int64_t mt, Tile&& tile) {
+  switch (mt) {
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    case 4: tile(std::integral_constant<int, 4>{}); break;
+    case 5: tile(std::integral_constant<int, 5>{}); break;
+    default: tile(std::integral_constant<int, 6>{});
+  }
+}
+
+// a column's 32 bytes -> the codes of rows 0..15, 16..31 (low nibbles), 32..47, 48..63 (high) as fp32 lanes
+inline void codes64(const uint8_t* src, v16* w) {
+#if defined(__AVX512F__)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), m = _mm256_set1_epi8(15);
+  const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+  w[0] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)));
+  w[1] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)));
+  w[2] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)));
+  w[3] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)));
+#else
+  for (int j = 0; j < 32; ++j) {
+    w[j / 16][j % 16] = static_cast<float>(src[j] & 15);
+    w[2 + j / 16][j % 16] = static_cast<float>(src[j] >> 4);
+  }
+#endif
+}
+
+// 16 (scale, zero) pairs at p -> s and z - 8 s as fp32 lanes
+template <typename S>
+inline void load_scales(const S* p, v16& s, v16& zp) {
+  const v16 a = load16(p, 16), b = load16(p + 16, 16);
+  s = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  zp = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31) - 8.f * s;
+}
+
+// R rows of fp32 x [R, K] (group sums xs [R, G]) against one 64-row block (bytes [K, 32]) -> y [R, 64] fp32
+template <int R, typename S>
+inline void int4_tile(const float* x, const float* xs, const uint8_t* blk, const S* sz, int64_t K, int64_t G,
+                      int64_t g, int64_t N, v16 (*y)[4]) {
+  for (int i = 0; i < R; ++i)
+    for (int r = 0; r < 4; ++r) y[i][r] = v16{};
+  for (int64_t gi = 0; gi < G; ++gi) {
+    v16 acc[R][4] = {};
+    for (int64_t c = gi * g; c < (gi + 1) * g; ++c) {
+      v16 w[4];
+      codes64(blk + c * 32, w);
+      for (int i = 0; i < R; ++i) {
+        const float xv = x[i * K + c];
+        for (int r = 0; r < 4; ++r) acc[i][r] += xv * w[r];
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      v16 s, zp;
+      load_scales(sz + (gi * N + 16 * r) * 2, s, zp);
+      for (int i = 0; i < R; ++i) y[i][r] += acc[i][r] * s + xs[i * G + gi] * zp;
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same for bf16 x, two inputs per vdpbf16ps: a column pair's codes q become the bf16 numbers 128 + q (bits
+// 0x4300 | q, exact), interleaved per row; then y += s * acc + (z - 8 s - 128 s) * (the group's sum of x).
+// Lanes of the four accumulators hold rows {0-7, 16-23}, {8-15, 24-31}, {32-39, 48-55}, {40-47, 56-63}.
+template <int R, typename S>
+inline void int4_tile_bf16(const c10::BFloat16* x, const float* xs, const uint8_t* blk, const S* sz, int64_t K,
+                           int64_t G, int64_t g, int64_t N, v16 (*y)[4]) {
+  const __m512i m = _mm512_set1_epi8(15), bias = _mm512_set1_epi16(0x4300);
+  for (int i = 0; i < R; ++i)
+    for (int r = 0; r < 4; ++r) y[i][r] = v16{};
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 acc[R][4];
+    for (int i = 0; i < R; ++i)
+      for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t c = gi * g; c < (gi + 1) * g; c += 2) {
+      const __m512i raw = _mm512_loadu_si512(blk + c * 32);              // columns c, c + 1
+      const __m512i lo = _mm512_and_si512(raw, m), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m);
+      const __m256i l0 = _mm512_castsi512_si256(lo), l1 = _mm512_extracti64x4_epi64(lo, 1);
+      const __m256i h0 = _mm512_castsi512_si256(hi), h1 = _mm512_extracti64x4_epi64(hi, 1);
+      const __m512bh w[4] = {
+          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(l0, l1)), bias),
+          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(l0, l1)), bias),
+          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(h0, h1)), bias),
+          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(h0, h1)), bias)};
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, x + i * K + c, sizeof pair);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv, w[r]);
+      }
+    }
+    v16 s[4], zp[4];
+    for (int r = 0; r < 4; ++r) {
+      load_scales(sz + (gi * N + 16 * r) * 2, s[r], zp[r]);
+      zp[r] -= 128.f * s[r];
+    }
+    for (int i = 0; i < R; ++i) {
+      const v16 a0 = (v16)acc[i][0], a1 = (v16)acc[i][1], a2 = (v16)acc[i][2], a3 = (v16)acc[i][3];
+      const v16 rows[4] = {
+          __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+          __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31),
+          __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+          __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)};
+      for (int r = 0; r < 4; ++r) y[i][r] += rows[r] * s[r] + xs[i * G + gi] * zp[r];
+    }
+  }
+}
+#endif
+
+// x [M, K] (float or bfloat16) @ W^T, W [N, K] packed (uint8 [N/64, K, 32]) with scales_zeros [K/g, N, 2]
+// -> [M, N] in x's dtype
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float or bfloat16");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
+  TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous(), "scales must be a contiguous [k/g, n, 2] tensor");
+  TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16, "scales must be float or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
+  TORCH_CHECK(group > 0 && G * group == K && N % 64 == 0 && qweight.numel() == N * K / 2,
+              "qweight and scales do not match x's width and the group size");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<float> xf(M * K), xs(M * G);                        // x in fp32, its group sums
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t gi = 0; gi < G; ++gi) {
+        float s = 0.f;
+        for (int64_t c = gi * group; c < (gi + 1) * group; ++c) s += xf[m * K + c] = f32(px[m * K + c]);
+        xs[m * G + gi] = s;
+      }
+  });
+  const uint8_t* pq = qweight.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    scalar_t* py = y.data_ptr<scalar_t>();
+    auto run = [&](const auto* ps) {
+      at::parallel_for(0, N / 64, 1, [&](int64_t lo, int64_t hi) {
+        v16 out[MT4][4];
+        for (int64_t b = lo; b < hi; ++b)
+          for (int64_t m0 = 0; m0 < M; m0 += MT4) {
+            const int64_t mt = std::min<int64_t>(MT4, M - m0);
+            by_rows6(mt, [&](auto r) {
+              constexpr int R = decltype(r)::value;
+              const uint8_t* blk = pq + b * K * 32;
+#if defined(__AVX512BF16__)
+              if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+                if (group % 2 == 0) {
+                  int4_tile_bf16<R>(px + m0 * K, xs.data() + m0 * G, blk, ps + b * 64 * 2, K, G, group, N, out);
+                  return;
+                }
+              }
+#endif
+              int4_tile<R>(xf.data() + m0 * K, xs.data() + m0 * G, blk, ps + b * 64 * 2, K, G, group, N, out);
+            });
+            for (int64_t i = 0; i < mt; ++i)
+              for (int r = 0; r < 4; ++r) store16(out[i][r], py + (m0 + i) * N + b * 64 + 16 * r);
+          }
+      });
+    };
+    if (sz.scalar_type() == at::kBFloat16) run(sz.data_ptr<c10::BFloat16>());
+    else run(sz.data_ptr<float>());
+  });
+  return y;
+}
+
 int64_t first_nan(const float* x, int64_t V) {
   for (int64_t j = 0; j < V; ++j)
     if (x[j] != x[j]) return j;
@@ -621,6 +796,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
   m.def("int4_weight_t(Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
@@ -632,4 +808,5 @@ TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
   m.impl("int4_weight_t", int4_weight_t);
   m.impl("argmax_rows", argmax_rows);
   m.impl("int8_linear", int8_linear);
+  m.impl("int4_linear", int4_linear);
 }

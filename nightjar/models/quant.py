@@ -15,6 +15,11 @@ The packed kernels are GEMV-shaped: their time grows about linearly in the rows 
 ``PACKED_MAX_ROWS[mode]`` rows (prefill chunks, large batches) a layer dequantizes its weight once per call (in
 the activations' dtype) and runs one dense GEMM instead.
 
+Where the fused CPU ops build, an int4 layer runs ``int4_linear`` (models/cpu_fused.cpp) on the same packed
+weight up to ``FUSED_INT4_MAX_ROWS`` rows instead of torch's kernel: one decode of a 64-row block serves up to
+6 rows of x, two inputs per AVX512-BF16 dot product, so its time grows far more slowly in M, and a row's
+outputs never depend on the step's other rows.
+
 The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per row) run by the fused CPU op
 ``int8_linear``, whose rows never depend on the step's other rows; where that op does not build, the head
 stays in the model's dtype (docs/quantization.md has the measurements).
@@ -30,7 +35,9 @@ from nightjar.models import cpu_fused
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 64 (K % group == 0)
 PACKED_MAX_ROWS = {"int8": 16, "int4": 48}   # rows up to which the packed kernel beats dequantize + GEMM
+FUSED_INT4_MAX_ROWS = 128  # the same for the fused int4_linear (cpu_fused), where it serves
                                             # (bench/quant_quality.py --sections kernels; docs/quantization.md)
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)   # what the fused int4_linear op takes
 _INNER_K_TILES = 2         # the packer's innerKTiles argument, as torchao passes it (the layout is in unpack_int4)
 
 
@@ -64,7 +71,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                          # [M, in]
-        if x2.shape[0] > PACKED_MAX_ROWS[self.mode]:
+        m = x2.shape[0]
+        if self.mode == "int4" and m <= FUSED_INT4_MAX_ROWS and self._fused_int4(x2):
+            y = torch.ops.nightjar_cpu.int4_linear.default(x2.contiguous(), self.qweight, self.scales, self.group_size)
+        elif m > PACKED_MAX_ROWS[self.mode]:
             y = self.dense_mm(x2)                                        # [M, out]
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
@@ -72,6 +82,14 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
                                                            self.scales.to(x.dtype))
         return y.view(*x.shape[:-1], self.out_features)
+
+    use_fused = True        # False: torch's packed int4 kernel even where int4_linear could serve (benchmarks)
+
+    def _fused_int4(self, x2: torch.Tensor) -> bool:
+        """The fused ``int4_linear`` can serve this call (rows independent of the step; 1.3-2.2x torch's kernel
+        from 1 to 48 rows, docs/quantization.md)."""
+        return (self.use_fused and self.out_features % 64 == 0 and x2.device.type == "cpu"
+                and self.scales.dtype in _FUSED_DTYPES and x2.dtype in _FUSED_DTYPES and cpu_fused.available())
 
     def codes(self) -> torch.Tensor:
         """The integer codes [out, in]: int8 values, or int4 values 0..15 (as uint8)."""

@@ -284,3 +284,54 @@ def test_int8_linear_rejects_what_it_cannot_compute(ops):
     with pytest.raises(RuntimeError, match="x must be"):
         ops.int8_linear(x.half(), q, s)
     assert ops.int8_linear(x[:0], q, s).shape == (0, 5)
+
+
+def _int4_layer(n: int, k: int, group: int, dtype: torch.dtype):
+    from nightjar.models.quant import QuantLinear
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.05
+    layer = QuantLinear.from_weight(w, "int4", group)
+    layer.scales.data = layer.scales.data.to(dtype)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, group", [(192, 576, 32), (128, 256, 64)])
+def test_int4_linear_matches_the_dequantized_weight_and_a_row_never_depends_on_the_step(ops, dtype, n, k, group):
+    layer = _int4_layer(n, k, group, dtype)
+    m = 13                                              # tiles of 6, 6 and 1 rows
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = ops.int4_linear(x, layer.qweight, layer.scales, group)
+    assert y.dtype == dtype and y.shape == (m, n)
+    sz = layer.scales.double().transpose(0, 1)                                  # [n, k/g, 2]
+    w = (layer.codes().double().view(n, k // group, group) - 8) * sz[..., :1] + sz[..., 1:]
+    ref = x.double() @ w.view(n, k).T                   # the weight unrounded, as the kernel forms it in fp32
+    # fp32: accumulation order only; bf16: the output's one rounding (2^-9 relative) and fp32 sums of 128 + q
+    rel = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    assert ((y.double() - ref).abs() <= rel * ref.abs() + 1e-5 * ref.abs().max()).all()
+    for rows in range(1, 8):                            # every tile shape: a row gets the full step's bits
+        for start in range(0, m - rows + 1, 3):
+            assert torch.equal(ops.int4_linear(x[start:start + rows].contiguous(), layer.qweight, layer.scales, group),
+                               y[start:start + rows])
+
+
+def test_int4_linear_serves_quantized_layers_and_agrees_with_torchs_kernel(ops):
+    layer = _int4_layer(192, 576, 32, torch.bfloat16)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    y = layer(x)                                        # the fused op
+    layer.use_fused = False
+    y_torch = layer(x)                                  # aten._weight_int4pack_mm_for_cpu
+    assert torch.equal(y, ops.int4_linear(x, layer.qweight, layer.scales, 32))
+    assert (y.float() - y_torch.float()).abs().max() <= 2e-2 * y_torch.float().abs().max()
+
+
+def test_int4_linear_rejects_what_it_cannot_compute(ops):
+    layer = _int4_layer(64, 64, 32, torch.float32)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.int4_linear(x.half(), layer.qweight, layer.scales, 32)
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.int4_linear(x, layer.qweight, layer.scales, 64)
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.int4_linear(torch.randn(2, 32), layer.qweight, layer.scales, 32)
+    assert ops.int4_linear(x[:0], layer.qweight, layer.scales, 32).shape == (0, 64)
