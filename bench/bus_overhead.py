@@ -1,16 +1,21 @@
 """Per-step bus + actor overhead against step time, at B=1 and B=32.
 
-    python bench/bus_overhead.py [--model smollm2-135m] [--policy off] [--tokens 64]
+    python bench/bus_overhead.py [--model smollm2-135m] [--policy off] [--tokens 64] [--quantization int4]
 
 Overhead per step = wall time between consecutive StepScheduled envelopes minus the model time the
 verifier measured (StepTimed.step_time_s + catch-up). It covers every hand-off of the step
 (batcher -> planner -> KV -> draft -> verifier -> batcher), the compute-thread hops and Python glue.
+
+A last line gives the machine's floor for one of the step's two thread hand-offs: a bare ``run_in_executor``
+whose job sleeps as long as a step (no model, no actors), from the job's return to the event loop resuming.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepScheduled, StepTimed
@@ -43,18 +48,41 @@ async def _drain(eng, prompt, batch, tokens):
     await asyncio.gather(*[one() for _ in range(batch)])
 
 
+async def handoff_floor(step_s: float, n: int = 40) -> float:
+    """Median seconds from a one-thread executor job's return to the awaiting coroutine resuming, for jobs
+    that sleep ``step_s`` (the loop idles meanwhile, as it does while a forward runs)."""
+    loop = asyncio.get_running_loop()
+
+    def job() -> float:
+        time.sleep(step_s)
+        return time.perf_counter()
+
+    lat = []
+    with ThreadPoolExecutor(1) as ex:
+        for _ in range(n):
+            end = await loop.run_in_executor(ex, job)
+            lat.append(time.perf_counter() - end)
+    return statistics.median(lat[3:])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--policy", default="off")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     a = ap.parse_args(argv)
-    kw = dict(model=a.model, policy=a.policy, dtype=a.dtype)
+    kw = dict(model=a.model, policy=a.policy, dtype=a.dtype, quantization=a.quantization)
     print("| B | overhead/step (µs) | step (ms) | overhead % |\n|---|---|---|---|")
     for B in (1, 32):
         over, total = asyncio.run(measure(kw, B, a.tokens))
         print(f"| {B} | {over * 1e6:.0f} | {total * 1e3:.1f} | {100 * over / total:.2f} % |", flush=True)
+        if B == 1:
+            step1 = total
+    floor = asyncio.run(handoff_floor(step1))
+    print(f"\none bare executor hand-off after a {step1 * 1e3:.1f} ms idle job: {floor * 1e6:.0f} µs "
+          f"(a step has two: {200 * floor / step1:.2f} % of the B = 1 step)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers for CPU on torch's packed kernels (``--quantization int8|int4``).
+"""Weight-only quantized linear layers for CPU in torch's packed layouts (``--quantization int8|int4``).
 
 int8: per-output-channel symmetric scales, ``aten._weight_int8pack_mm``. int4: groupwise (32 inputs per
 group) scale and zero, ``aten._weight_int4pack_mm_for_cpu`` on the layout of
