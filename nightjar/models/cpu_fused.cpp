@@ -473,35 +473,52 @@ inline void store_tile(const v16* acc, const S* sc, float* y, int64_t m0, int64_
     for (int64_t j = 0; j < nt; ++j) y[(m0 + i) * N + n0 + j] = sums[i * NT + j] * f32(sc[n0 + j]);
 }
 
-template <typename Tile>
+// tile(std::integral_constant<int, mt>) for 1 <= mt <= Max <= 6 (the rows of a tile, as a compile-time count)
+template <int Max, typename Tile>
 inline void by_rows(int64_t mt, Tile&& tile) {
+  auto run = [&](auto r) {
+    if constexpr (decltype(r)::value <= Max) tile(r);
+  };
   switch (mt) {
-    case 1: tile(std::integral_constant<int, 1>{}); break;
-    case 2: tile(std::integral_constant<int, 2>{}); break;
-    case 3: tile(std::integral_constant<int, 3>{}); break;
-    default: tile(std::integral_constant<int, 4>{});
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    default: run(std::integral_constant<int, Max>{});
   }
+}
+
+// The tiling both int8_linear paths share: NT weight rows widened once into w (element c of row j:
+// widen(j < nt, n0 + j, c)), then every tile of up to MT rows of x against them (tile(r, m0, w, acc)), scaled
+// and stored.
+template <typename W, typename S, typename Widen, typename Tile>
+void int8_tiles(const S* sc, float* y, int64_t M, int64_t N, int64_t C, Widen&& widen, Tile&& tile) {
+  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<W> w(NT * C);
+    v16 acc[MT * NT];
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
+      for (int64_t j = 0; j < NT; ++j)
+        for (int64_t c = 0; c < C; ++c) w[j * C + c] = widen(j < nt, n0 + j, c);
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min<int64_t>(MT, M - m0);
+        std::fill(acc, acc + MT * NT, v16{});
+        by_rows<MT>(mt, [&](auto r) { tile(r, m0, w.data(), acc); });
+        store_tile(acc, sc, y, m0, mt, n0, nt, N);
+      }
+    }
+  });
 }
 
 // xf [M, C] fp32 chunks (rows zero-padded to C * 16)
 template <typename S>
 void int8_linear_f32(const v16* xf, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t C = (K + 15) / 16;
-  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<v16> w(NT * C);
-    v16 acc[MT * NT];
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
-      for (int64_t j = 0; j < NT; ++j)
-        for (int64_t c = 0; c < C; ++c) w[j * C + c] = j < nt ? widen16(q + (n0 + j) * K + 16 * c, K - 16 * c) : v16{};
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int64_t mt = std::min<int64_t>(MT, M - m0);
-        std::fill(acc, acc + MT * NT, v16{});
-        by_rows(mt, [&](auto r) { tile_f32<decltype(r)::value>(xf + m0 * C, w.data(), C, acc); });
-        store_tile(acc, sc, y, m0, mt, n0, nt, N);
-      }
-    }
-  });
+  int8_tiles<v16>(
+      sc, y, M, N, C,
+      [&](bool ok, int64_t n, int64_t c) { return ok ? widen16(q + n * K + 16 * c, K - 16 * c) : v16{}; },
+      [&](auto r, int64_t m0, const v16* w, v16* acc) { tile_f32<decltype(r)::value>(xf + m0 * C, w, C, acc); });
 }
 
 #if defined(__AVX512BF16__)
@@ -509,22 +526,14 @@ template <typename S>
 void int8_linear_bf16(const c10::BFloat16* x, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N,
                       int64_t K) {
   const int64_t C = K / 32;
-  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<__m512bh> w(NT * C);
-    v16 acc[MT * NT];
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
-      for (int64_t j = 0; j < NT; ++j)
-        for (int64_t c = 0; c < C; ++c)
-          w[j * C + c] = j < nt ? widen32_bf16(q + (n0 + j) * K + 32 * c) : (__m512bh)_mm512_setzero_si512();
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int64_t mt = std::min<int64_t>(MT, M - m0);
-        std::fill(acc, acc + MT * NT, v16{});
-        by_rows(mt, [&](auto r) { tile_bf16<decltype(r)::value>(x + m0 * K, K, w.data(), C, acc); });
-        store_tile(acc, sc, y, m0, mt, n0, nt, N);
-      }
-    }
-  });
+  int8_tiles<__m512bh>(
+      sc, y, M, N, C,
+      [&](bool ok, int64_t n, int64_t c) {
+        return ok ? widen32_bf16(q + n * K + 32 * c) : (__m512bh)_mm512_setzero_si512();
+      },
+      [&](auto r, int64_t m0, const __m512bh* w, v16* acc) {
+        tile_bf16<decltype(r)::value>(x + m0 * K, K, w, C, acc);
+      });
 }
 #endif
 
@@ -569,18 +578,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // then y += s * acc + (z - 8 s) * (the group's sum of x). An output is the same sequence of operations whatever
 // M, the tiling or the threads: a row's numbers never depend on the step's other rows.
 constexpr int MT4 = 6;                      // rows of x per int4 tile: 6 x 4 accumulators + 4 code vectors
-
-template <typename Tile>
-inline void by_rows6(int64_t mt, Tile&& tile) {
-  switch (mt) {
-    case 1: tile(std::integral_constant<int, 1>{}); break;
-    case 2: tile(std::integral_constant<int, 2>{}); break;
-    case 3: tile(std::integral_constant<int, 3>{}); break;
-    case 4: tile(std::integral_constant<int, 4>{}); break;
-    case 5: tile(std::integral_constant<int, 5>{}); break;
-    default: tile(std::integral_constant<int, 6>{});
-  }
-}
 
 // a column's 32 bytes -> the codes of rows 0..15, 16..31 (low nibbles), 32..47, 48..63 (high) as fp32 lanes
 inline void codes64(const uint8_t* src, v16* w) {
@@ -713,7 +710,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
         for (int64_t b = lo; b < hi; ++b)
           for (int64_t m0 = 0; m0 < M; m0 += MT4) {
             const int64_t mt = std::min<int64_t>(MT4, M - m0);
-            by_rows6(mt, [&](auto r) {
+            by_rows<MT4>(mt, [&](auto r) {
               constexpr int R = decltype(r)::value;
               const uint8_t* blk = pq + b * K * 32;
 #if defined(__AVX512BF16__)
