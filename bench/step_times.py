@@ -87,8 +87,8 @@ def quantized_variant(cfg, state: dict, dtype: str, device: str, mode: str, head
 
     model = build_model(cfg, {k: v.float() for k, v in state.items()}, torch.float32, device, fuse=True)
     quantize_model(model, mode, head=head)
-    for m in model.modules():
-        if torch_mm and isinstance(m, QuantLinear):
+    for m in model.modules() if torch_mm else ():
+        if isinstance(m, QuantLinear):
             m.use_fused = False
     cast_floats(model, parse_dtype(dtype))
     model.pack_cpu_weights()

@@ -35,8 +35,8 @@ from nightjar.models import cpu_fused
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 64 (K % group == 0)
 PACKED_MAX_ROWS = {"int8": 16, "int4": 48}   # rows up to which the packed kernel beats dequantize + GEMM
-FUSED_INT4_MAX_ROWS = 128  # the same for the fused int4_linear (cpu_fused), where it serves
                                             # (bench/quant_quality.py --sections kernels; docs/quantization.md)
+FUSED_INT4_MAX_ROWS = 128  # the same for the fused int4_linear (cpu_fused), where it serves
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)   # what the fused int4_linear op takes
 _INNER_K_TILES = 2         # the packer's innerKTiles argument, as torchao passes it (the layout is in unpack_int4)
 
@@ -86,7 +86,7 @@ class QuantLinear(nn.Module):
     use_fused = True        # False: torch's packed int4 kernel even where int4_linear could serve (benchmarks)
 
     def _fused_int4(self, x2: torch.Tensor) -> bool:
-        """The fused ``int4_linear`` can serve this call (rows independent of the step; 1.3-2.2x torch's kernel
+        """The fused ``int4_linear`` can serve this call (rows independent of the step; 1.2-2.2x torch's kernel
         from 1 to 48 rows, docs/quantization.md)."""
         return (self.use_fused and self.out_features % 64 == 0 and x2.device.type == "cpu"
                 and self.scales.dtype in _FUSED_DTYPES and x2.dtype in _FUSED_DTYPES and cpu_fused.available())
