@@ -690,20 +690,26 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
               "qweight and scales do not match x's width and the group size");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  std::vector<float> xf(M * K), xs(M * G);                        // x in fp32, its group sums
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
-    const scalar_t* px = x.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t gi = 0; gi < G; ++gi) {
-        float s = 0.f;
-        for (int64_t c = gi * group; c < (gi + 1) * group; ++c) s += xf[m * K + c] = f32(px[m * K + c]);
-        xs[m * G + gi] = s;
-      }
-  });
   const uint8_t* pq = qweight.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
     const scalar_t* px = x.data_ptr<scalar_t>();
     scalar_t* py = y.data_ptr<scalar_t>();
+#if defined(__AVX512BF16__)
+    const bool dot_bf16 = std::is_same_v<scalar_t, c10::BFloat16> && group % 2 == 0;   // int4_tile_bf16 reads x
+#else
+    const bool dot_bf16 = false;
+#endif
+    std::vector<float> xf(dot_bf16 ? 0 : M * K), xs(M * G);         // x in fp32 (int4_tile), its group sums
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t gi = 0; gi < G; ++gi) {
+        float s = 0.f;
+        for (int64_t c = gi * group; c < (gi + 1) * group; ++c) {
+          const float v = f32(px[m * K + c]);
+          s += v;
+          if (!dot_bf16) xf[m * K + c] = v;
+        }
+        xs[m * G + gi] = s;
+      }
     auto run = [&](const auto* ps) {
       at::parallel_for(0, N / 64, 1, [&](int64_t lo, int64_t hi) {
         v16 out[MT4][4];
@@ -715,7 +721,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
               const uint8_t* blk = pq + b * K * 32;
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-                if (group % 2 == 0) {
+                if (dot_bf16) {
                   int4_tile_bf16<R>(px + m0 * K, xs.data() + m0 * G, blk, ps + b * 64 * 2, K, G, group, N, out);
                   return;
                 }
