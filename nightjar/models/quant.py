@@ -26,6 +26,8 @@ stays in the model's dtype (docs/quantization.md has the measurements).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +43,12 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16)   # what the fused int4_linear o
 _INNER_K_TILES = 2         # the packer's innerKTiles argument, as torchao passes it (the layout is in unpack_int4)
 
 
+@functools.cache
+def _int4_linear():
+    """The fused op's ``.default`` overload, resolved once (the op packet's per-call lookup costs ~1.5 µs)."""
+    return torch.ops.nightjar_cpu.int4_linear.default
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T with W [out, in] held as int8 (+ per-row scale) or packed int4 (+ group scale/zero).
 
@@ -54,6 +62,7 @@ class QuantLinear(nn.Module):
         self.mode, self.in_features, self.out_features, self.group_size = mode, in_features, out_features, group_size
         self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [out, in] | uint8 [out, in/2]
         self.scales = nn.Parameter(scales, requires_grad=False)     # [out] | [in/group, out, 2] (scale, zero)
+        self._select_kernel()
 
     @classmethod
     def from_weight(cls, w: torch.Tensor, mode: str, group_size: int = INT4_GROUP) -> QuantLinear:
@@ -68,28 +77,33 @@ class QuantLinear(nn.Module):
             return cls(mode, in_f, out_f, packed, sz, group_size)
         raise ValueError(f"unknown quantization {mode!r}; use one of {MODES}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype."""
-        x2 = x.reshape(-1, self.in_features)                          # [M, in]
-        m = x2.shape[0]
-        if self.mode == "int4" and m <= FUSED_INT4_MAX_ROWS and self._fused_int4(x2):
-            y = torch.ops.nightjar_cpu.int4_linear.default(x2.contiguous(), self.qweight, self.scales, self.group_size)
-        elif m > PACKED_MAX_ROWS[self.mode]:
-            y = self.dense_mm(x2)                                        # [M, out]
-        elif self.mode == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(x.dtype))
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
-                                                           self.scales.to(x.dtype))
-        return y.view(*x.shape[:-1], self.out_features)
-
     use_fused = True        # False: torch's packed int4 kernel even where int4_linear could serve (benchmarks)
 
-    def _fused_int4(self, x2: torch.Tensor) -> bool:
-        """The fused ``int4_linear`` can serve this call (rows independent of the step; 1.2-2.2x torch's kernel
-        from 1 to 48 rows, docs/quantization.md)."""
-        return (self.use_fused and self.out_features % 64 == 0 and x2.device.type == "cpu"
-                and self.scales.dtype in _FUSED_DTYPES and x2.dtype in _FUSED_DTYPES and cpu_fused.available())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype. A decode step makes ~120 of these calls, so the fused int4
+        path reads plain attributes (nn.Module's parameter lookup costs ~1 µs a read)."""
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if self.fused_int4 and self.use_fused and x.shape[0] <= FUSED_INT4_MAX_ROWS and x.dtype in _FUSED_DTYPES:
+            p = self._parameters
+            return _int4_linear()(x.contiguous(), p["qweight"], p["scales"], self.group_size)   # [M, out]
+        if x.shape[0] > PACKED_MAX_ROWS[self.mode]:
+            return self.dense_mm(x)                                      # [M, out]
+        if self.mode == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales.to(x.dtype))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.scales.to(x.dtype))
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)           # .to(dtype) / .to(device) change what the fused op takes
+        self._select_kernel()
+        return out
+
+    def _select_kernel(self) -> None:
+        """``fused_int4``: the fused ``int4_linear`` can serve this layer (rows independent of the step; 1.2-2.2x
+        torch's kernel from 1 to 48 rows, docs/quantization.md) for inputs of up to FUSED_INT4_MAX_ROWS rows
+        in a dtype it takes. Decided when the layer is made or moved, as the model's own fused ops are."""
+        self.fused_int4 = (self.mode == "int4" and self.out_features % 64 == 0 and self.qweight.device.type == "cpu"
+                           and self.scales.dtype in _FUSED_DTYPES and cpu_fused.available())
 
     def codes(self) -> torch.Tensor:
         """The integer codes [out, in]: int8 values, or int4 values 0..15 (as uint8)."""
@@ -272,6 +286,9 @@ def cast_floats(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for p in model.parameters():
         if p.is_floating_point() and id(p) not in keep:
             p.data = p.data.to(dtype)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m._select_kernel()                      # the fused int4 op takes fp32 and bf16 scales only
     return model
 
 

@@ -325,6 +325,24 @@ def test_int4_linear_serves_quantized_layers_and_agrees_with_torchs_kernel(ops):
     assert (y.float() - y_torch.float()).abs().max() <= 2e-2 * y_torch.float().abs().max()
 
 
+def test_a_quantized_layer_picks_its_kernel_by_rows_and_follows_a_cast(ops):
+    """int4_linear serves 2-D inputs up to FUSED_INT4_MAX_ROWS rows (also past the packed kernel's 48), a 3-D
+    input through the same op, longer inputs the dense GEMM; a cast to float16 turns the op off, back on."""
+    from nightjar.models.quant import FUSED_INT4_MAX_ROWS, cast_floats
+
+    layer = _int4_layer(128, 64, 32, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    for m in (1, 60, FUSED_INT4_MAX_ROWS):
+        x = torch.randn(m, 64, generator=g)
+        assert torch.equal(layer(x), ops.int4_linear(x, layer.qweight, layer.scales, 32))
+    x3 = torch.randn(2, 3, 64, generator=g)
+    assert torch.equal(layer(x3), ops.int4_linear(x3.view(6, 64), layer.qweight, layer.scales, 32).view(2, 3, 128))
+    long = torch.randn(FUSED_INT4_MAX_ROWS + 1, 64, generator=g)
+    assert torch.equal(layer(long), layer.dense_mm(long))
+    assert layer.to(torch.float16).fused_int4 is False and layer.to(torch.float32).fused_int4 is True
+    assert cast_floats(layer, torch.float16).fused_int4 is False and cast_floats(layer, torch.bfloat16).fused_int4
+
+
 def test_int4_linear_rejects_what_it_cannot_compute(ops):
     layer = _int4_layer(64, 64, 32, torch.float32)
     x = torch.randn(2, 64)
