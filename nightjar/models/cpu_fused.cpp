@@ -7,7 +7,8 @@
 //   silu_mul        gate_up [T, 2I] -> silu(gate) * up [T, I]
 //   rope_store      qkv [T, (nh + 2 nkv) d] -> roped q [T, nh, d]; roped k and v written to cache slots
 //   paged_attention q [T, nh, d] over a head-major paged cache, causal within each row's query chunk (rows of
-//                   at most max_query queries: one row's numbers never depend on the other rows of the step)
+//                   at most max_query queries), in tasks of (row, kv head, 64 positions) merged in order: a query's
+//                   numbers depend only on its own row's positions, never on the step's other rows or queries
 //   int4_weight_t   torch's packed int4 weight + group scales -> W^T [k, n] (a quantized layer's long chunks)
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
 //   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 (the int8 LM head of a quantized model)
@@ -132,19 +133,21 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 // 16 values from src as fp32 lanes (bf16: the 16 bits are the high half of an fp32); n < 16 zero-fills
 template <typename T>
 inline v16 load16(const T* src, int64_t n) {
-  v16 out{};
-  if (n < 16) {
-    for (int64_t i = 0; i < n; ++i) out[i] = f32(src[i]);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    u16x16 raw;
-    std::memcpy(&raw, src, sizeof raw);
-    const u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
-    std::memcpy(&out, &wide, sizeof out);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // whole vectors stay in registers (no store and reload)
+    if (n >= 16) {
+      u16x16 raw;
+      std::memcpy(&raw, src, sizeof raw);
+      return __builtin_bit_cast(v16, __builtin_convertvector(raw, u32x16) << 16);
+    }
   } else if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&out, src, sizeof out);
-  } else {
-    for (int i = 0; i < 16; ++i) out[i] = f32(src[i]);
+    if (n >= 16) {
+      v16 out;
+      std::memcpy(&out, src, sizeof out);
+      return out;
+    }
   }
+  v16 out{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) out[i] = f32(src[i]);
   return out;
 }
 
@@ -226,61 +229,120 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-// One (row, kv head): the row's Q query tokens times the gq query heads that share the kv head.
-// Scores, softmax and the weighted sum of values in fp32 over the row's L positions, read from the blocks.
-template <typename T>
-void attend_one(const T* q, const T* kc, const T* vc, T* out, const int64_t* table, int64_t bs, int64_t L,
-                int64_t Q, int64_t gq, int64_t d, int64_t nh, int64_t h, float scale) {
-  const int64_t n = Q * gq, C = (d + 15) / 16, Lp = (L + 15) / 16 * 16;  // queries, chunks of d, padded L
-  std::vector<v16> qf(n * C), acc(n * C, v16{}), kv(C), scores(n * Lp / 16);  // v16: 64-byte aligned
-  float* sc = reinterpret_cast<float*>(scores.data());
-  for (int64_t tq = 0; tq < Q; ++tq)  // query vectors ordered (token, head in group), pre-scaled
-    for (int64_t g = 0; g < gq; ++g)
-      widen(q + (tq * nh + h * gq + g) * d, &qf[(tq * gq + g) * C], d, C, scale);
-  for (int64_t blk = 0, p0 = 0; p0 < L; ++blk, p0 += bs) {  // positions p0.. of block table[blk]
-    const T* kb = kc + table[blk] * bs * d;
-    for (int64_t j = 0; j < std::min(bs, L - p0); ++j) {
-      widen(kb + j * d, kv.data(), d, C);
-      for (int64_t r = 0; r < n; ++r) {
-        v16 a = qf[r * C] * kv[0];
-        for (int64_t c = 1; c < C; ++c) a += qf[r * C + c] * kv[c];
-        sc[r * Lp + p0 + j] = hsum(a);
+// Lane j of the result is the sum of a[j]'s 16 lanes: a transposing tree of 15 shuffle-adds in place of 16
+// horizontal sums (each level halves the lanes per source and doubles the sources per vector)
+inline v16 sum16(const v16* a) {
+  v16 b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Positions per attention task. Fixed, so that a query's numbers depend only on its own row's positions: not on
+// the step's other rows, how many queries its row verifies, or the thread count.
+constexpr int64_t kChunk = 64;
+constexpr int64_t kMaxC = 16;  // head_dim <= 256
+
+// One (row, kv head, chunk of positions [p0, p0 + kChunk) within the row's L): for each of the row's n = Q * gq
+// queries (token-major, then head within the group) the chunk's largest score m, z = sum of e^(s - m) and
+// acc = sum of e^(s - m) v [d], written to part[r * (d + 2) ...] as (m, z, acc). Query r sees the positions before
+// L - Q + r / gq + 1 (causal within the row's query chunk); one that sees none of the chunk gets m = -inf, z = 0.
+// CC > 0: the head's 16-lane chunk count (d / 16) known at compile time, so the inner loops unroll and the
+// accumulators stay in registers; CC = 0: any d up to 16 * kMaxC.
+template <typename T, int64_t CC>
+void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t bs, int64_t L, int64_t Q,
+                  int64_t gq, int64_t dd, int64_t nh, int64_t h, float scale, int64_t p0, float* part) {
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  constexpr int64_t S = kChunk / 16;                                 // v16 of scores per query
+  constexpr int64_t R = CC > 0 ? std::max<int64_t>(1, 16 / CC) : 4;  // queries per pass over V
+  const int64_t d = CC > 0 ? 16 * CC : dd, C = CC > 0 ? CC : (d + 15) / 16;
+  const int64_t n = Q * gq, np = (n + R - 1) / R * R, P = std::min(kChunk, L - p0);
+  std::vector<v16> qf(n * C), kv(16 * C), sc(np * S);                // sc: queries past n stay 0 (V passes of R)
+  int64_t off[kChunk];  // offset of position p0 + j in a head's cache (one division per chunk, not per position)
+  for (int64_t j = 0, blk = p0 / bs, i = p0 % bs; j < P; ++j) {
+    off[j] = (table[blk] * bs + i) * d;
+    if (++i == bs) i = 0, ++blk;
+  }
+  for (int64_t tq = 0; tq < Q; ++tq)  // query vectors, pre-scaled
+    for (int64_t g = 0; g < gq; ++g) widen(q + (tq * nh + h * gq + g) * d, &qf[(tq * gq + g) * C], d, C, scale);
+  for (int64_t j0 = 0; j0 < P; j0 += 16) {  // scores of 16 positions at a time: [16 positions] x [C] -> lanes
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j0 + j < P) widen(kc + off[j0 + j], &kv[j * C], d, C);
+      else std::fill(&kv[j * C], &kv[j * C] + C, v16{});
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      v16 a[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        v16 s = qf[r * C] * kv[j * C];
+        for (int64_t c = 1; c < C; ++c) s += qf[r * C + c] * kv[j * C + c];
+        a[j] = s;
       }
+      sc[r * S + j0 / 16] = sum16(a);
     }
   }
-  std::vector<int64_t> last(n);  // query r sees positions [0, last[r]): causal within the chunk
-  for (int64_t r = 0; r < n; ++r) {
-    last[r] = L - Q + r / gq + 1;
-    float* s = sc + r * Lp;
-    float mx = s[0];
-    for (int64_t p = 1; p < last[r]; ++p) mx = std::max(mx, s[p]);
-    for (int64_t p = last[r]; p < Lp; ++p) s[p] = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < n; ++r) {  // e^(s - m) over the visible positions, 0 past them
+    const int64_t vis = std::clamp<int64_t>(L - Q + r / gq + 1 - p0, 0, P);
+    float* s = reinterpret_cast<float*>(&sc[r * S]);
+    float* out = part + r * (d + 2);
+    float mx = ninf;
+    for (int64_t p = 0; p < vis; ++p) mx = std::max(mx, s[p]);
+    for (int64_t p = vis; p < kChunk; ++p) s[p] = ninf;
     v16 z{};
-    for (int64_t p = 0; p < Lp; p += 16) {
-      v16 e = vexp(*reinterpret_cast<v16*>(s + p) - mx);
-      e = *reinterpret_cast<v16*>(s + p) == -std::numeric_limits<float>::infinity() ? v16{} : e;
+    for (int64_t p = 0; p < kChunk; p += 16) {
+      const v16 x = *reinterpret_cast<v16*>(s + p);
+      v16 e = vis ? vexp(x - mx) : v16{};
+      e = x == ninf ? v16{} : e;
       *reinterpret_cast<v16*>(s + p) = e;
       z += e;
     }
-    const float iz = 1.f / hsum(z);
-    for (int64_t p = 0; p < last[r]; ++p) s[p] *= iz;
+    out[0] = mx;
+    out[1] = hsum(z);
   }
-  for (int64_t blk = 0, p0 = 0; p0 < L; ++blk, p0 += bs) {  // acc[r] += probs[r, p] v_p
-    const T* vb = vc + table[blk] * bs * d;
-    for (int64_t j = 0; j < std::min(bs, L - p0); ++j) {
-      widen(vb + j * d, kv.data(), d, C);
-      for (int64_t r = 0; r < n; ++r) {
-        if (p0 + j >= last[r]) continue;
-        const float w = sc[r * Lp + p0 + j];
-        for (int64_t c = 0; c < C; ++c) acc[r * C + c] += w * kv[c];
+  const float* w = reinterpret_cast<const float*>(sc.data());
+  for (int64_t r0 = 0; r0 < np; r0 += R) {  // acc = sum_p e_p v_p for R queries per pass over V (in registers)
+    v16 acc[R * kMaxC] = {};
+    for (int64_t p = 0; p < P; ++p) {
+      widen(vc + off[p], kv.data(), d, C);
+      for (int64_t rr = 0; rr < R; ++rr) {
+        const float e = w[(r0 + rr) * kChunk + p];
+        for (int64_t c = 0; c < C; ++c) acc[rr * C + c] += e * kv[c];
       }
     }
+    for (int64_t rr = 0; rr < std::min<int64_t>(R, n - r0); ++rr)
+      std::memcpy(part + (r0 + rr) * (d + 2) + 2, &acc[rr * C], d * sizeof(float));
   }
-  for (int64_t tq = 0; tq < Q; ++tq)
-    for (int64_t g = 0; g < gq; ++g) {
-      const float* a = reinterpret_cast<const float*>(&acc[(tq * gq + g) * C]);
-      for (int64_t i = 0; i < d; ++i) out[(tq * nh + h * gq + g) * d + i] = static_cast<T>(a[i]);
+}
+
+// One (row, kv head): each query's chunks merged in order, out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) z_c
+// (M the largest m_c), rounded once to the dtype.
+template <typename T>
+void merge_chunks(const float* part, int64_t nc, int64_t Q, int64_t gq, int64_t d, int64_t nh, int64_t h, T* out) {
+  const int64_t n = Q * gq, stride = n * (d + 2);
+  std::vector<float> acc(d);
+  for (int64_t r = 0; r < n; ++r) {
+    float M = part[r * (d + 2)];
+    for (int64_t c = 1; c < nc; ++c) M = std::max(M, part[c * stride + r * (d + 2)]);
+    float z = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t c = 0; c < nc; ++c) {
+      const float* pc = part + c * stride + r * (d + 2);
+      if (pc[0] == -std::numeric_limits<float>::infinity()) continue;  // the query sees none of this chunk
+      const float f = std::exp(pc[0] - M);
+      z += f * pc[1];
+      for (int64_t i = 0; i < d; ++i) acc[i] += f * pc[2 + i];
     }
+    const float iz = 1.f / z;
+    T* o = out + ((r / gq) * nh + h * gq + r % gq) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(acc[i] * iz);
+  }
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
@@ -289,11 +351,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   // q [T, nh, d]; cache [2, nkv, S, d] (one layer by slot, head-major); block_tables [B, nb] int64;
   // query_start_loc [B+1], seq_lens [B] int64: row b's queries are the last Q_b of its seq_lens[b] positions.
   // Rows with more than max_query queries are skipped: their output rows are left for the caller to fill.
+  // Tasks are (row, kv head, chunk of kChunk positions), then one merge per (row, kv head).
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, nh, d] tensor");
   check_cache(cache);
   TORCH_CHECK(cache.size(3) == q.size(2) && cache.scalar_type() == q.scalar_type(), "cache and q disagree");
   const int64_t nh = q.size(1), d = q.size(2), nkv = cache.size(1), S = cache.size(2);
   TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(d <= 16 * kMaxC, "head_dim above ", 16 * kMaxC, " is not supported");
   auto bt = block_tables.contiguous();
   auto qsl = query_start_loc.contiguous();
   auto sl = seq_lens.contiguous();
@@ -303,25 +367,41 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   TORCH_CHECK(bt.size(0) == B && qsl.size(0) == B + 1, "block tables, query starts and lengths disagree on rows");
   const int64_t *pt = bt.data_ptr<int64_t>(), *pq = qsl.data_ptr<int64_t>(), *pl = sl.data_ptr<int64_t>();
   TORCH_CHECK(pq[B] == q.size(0), "query starts do not cover q");
+  const int64_t gq = nh / nkv;
+  std::vector<int64_t> first(B + 1, 0), base(B + 1, 0);  // row b: its tasks from first[b], its partials from base[b]
   for (int64_t b = 0; b < B; ++b) {
     const int64_t Q = pq[b + 1] - pq[b];
     TORCH_CHECK(Q >= 0 && pl[b] >= Q && (pl[b] + block_size - 1) / block_size <= nb, "bad row ", b);
     for (int64_t j = 0; j < (pl[b] + block_size - 1) / block_size; ++j)
       TORCH_CHECK(pt[b * nb + j] >= 0 && (pt[b * nb + j] + 1) * block_size <= S, "block id out of range in row ", b);
+    const int64_t nc = (Q == 0 || Q > max_query) ? 0 : (pl[b] + kChunk - 1) / kChunk;
+    first[b + 1] = first[b] + nkv * nc;
+    base[b + 1] = base[b] + nkv * nc * Q * gq * (d + 2);
   }
   auto out = at::empty_like(q);
-  const int64_t gq = nh / nkv;
+  auto part = at::empty({base[B]}, q.options().dtype(at::kFloat));
+  float* pp = part.data_ptr<float>();
+  auto chunks = [&](int64_t b) { return (first[b + 1] - first[b]) / nkv; };
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
     const scalar_t *pqv = q.data_ptr<scalar_t>(), *pk = cache.data_ptr<scalar_t>();
     const scalar_t* pv = pk + cache.stride(0);
     const int64_t hs = cache.stride(1);
     scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+        const int64_t nc = chunks(b), h = (task - first[b]) / nc, c = (task - first[b]) % nc;
+        const int64_t t0 = pq[b], Q = pq[b + 1] - t0;
+        auto* fn = d == 64 ? attend_chunk<scalar_t, 4> : d == 128 ? attend_chunk<scalar_t, 8> : attend_chunk<scalar_t, 0>;
+        fn(pqv + t0 * nh * d, pk + h * hs, pv + h * hs, pt + b * nb, block_size, pl[b], Q, gq, d, nh, h,
+           static_cast<float>(scale), c * kChunk, pp + base[b] + (h * nc + c) * Q * gq * (d + 2));
+      }
+    });
     at::parallel_for(0, B * nkv, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t task = lo; task < hi; ++task) {
-        const int64_t b = task / nkv, h = task % nkv, t0 = pq[b], Q = pq[b + 1] - t0;
-        if (Q == 0 || Q > max_query) continue;
-        attend_one(pqv + t0 * nh * d, pk + h * hs, pv + h * hs, po + t0 * nh * d, pt + b * nb, block_size,
-                   pl[b], Q, gq, d, nh, h, static_cast<float>(scale));
+        const int64_t b = task / nkv, h = task % nkv, nc = chunks(b), t0 = pq[b], Q = pq[b + 1] - t0;
+        if (nc == 0) continue;
+        merge_chunks(pp + base[b] + h * nc * Q * gq * (d + 2), nc, Q, gq, d, nh, h, po + t0 * nh * d);
       }
     });
   });

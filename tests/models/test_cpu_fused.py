@@ -97,6 +97,31 @@ def test_paged_attention_matches_the_torch_reference_on_varlen_causal_rows(ops, 
     close(got, paged_attention(q.float(), _as_float(cache), 1, lay, scale), dtype)
 
 
+@pytest.mark.parametrize("d", [64, 40])                  # the unrolled kernel (d = 64) and the general one
+def test_paged_attention_gives_a_query_the_same_bits_whatever_its_step(ops, d):
+    """A query's numbers depend on its own row's positions only (fixed chunks of 64 positions, merged in order):
+    not on how many queries its row verifies, the other rows of the step, or the thread count."""
+    bs, nh, nkv = 16, 9, 3
+    cache = _random_cache(nkv, d, bs, 40, torch.bfloat16)
+    tables = [tuple(range(20)), tuple(range(20, 40))]
+    q = torch.randn(5, nh, d, generator=torch.Generator().manual_seed(6)).bfloat16()
+
+    def run(qlens, starts, rows):
+        lay = build_layout([[7] * n for n in qlens], starts, [tables[r] for r in rows], bs, qlens)
+        return ops.paged_attention(q[:lay.num_tokens].contiguous(), cache.layer_slots(0), lay.block_tables,
+                                   lay.query_start_loc, lay.seq_lens, bs, 0.125, 16)
+
+    verify = run([4], [200], [0])                        # positions 200..203 over chunks [0, 64) .. [192, 256)
+    assert torch.equal(run([1], [200], [0])[0], verify[0])          # its first query as a decode row
+    assert torch.equal(run([4, 1], [200, 90], [0, 1])[:4], verify)  # beside another row
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run([4], [200], [0]), verify)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _as_float(cache: KVCache) -> KVCache:
     f = KVCache(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.block_size, cache.num_blocks,
                 torch.float32)
