@@ -1,10 +1,12 @@
-"""Per-step bus + actor overhead against step time, at B=1 and B=32.
+"""Per-step bus + actor overhead against step time, at B=1 and B=32, with forwards on the compute thread or inline.
 
     python bench/bus_overhead.py [--model smollm2-135m] [--policy off] [--tokens 64] [--quantization int4]
+                                 [--compute thread,inline] [--batches 1,32] [--repeats 3]
 
 Overhead per step = wall time between consecutive StepScheduled envelopes minus the model time the
 verifier measured (StepTimed.step_time_s + catch-up). It covers every hand-off of the step
-(batcher -> planner -> KV -> draft -> verifier -> batcher), the compute-thread hops and Python glue.
+(batcher -> planner -> KV -> draft -> verifier -> batcher), the compute-thread hops and Python glue. ``inline``
+runs the engine with ``inline_compute`` (forwards on the event loop's thread: no hops).
 
 A last line gives the machine's floor for one of the step's two thread hand-offs: a bare ``run_in_executor``
 whose job sleeps as long as a step (no model, no actors), from the job's return to the event loop resuming.
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepScheduled, StepTimed
@@ -39,6 +42,18 @@ async def measure(kw: dict, batch: int, tokens: int) -> tuple[float, float]:
         over = [sched[s + 1] - sched[s] - timed[s] for s in steps]
         total = [sched[s + 1] - sched[s] for s in steps]
         return statistics.median(over), statistics.median(total)
+
+
+def _measure_sync(kw: dict, batch: int, tokens: int) -> tuple[float, float]:
+    return asyncio.run(measure(kw, batch, tokens))
+
+
+def in_own_process(kw: dict, batch: int, tokens: int) -> tuple[float, float]:
+    """One measurement in a fresh (spawned) process: an inline engine runs torch on the main thread, and a
+    thread-mode engine in the same process afterwards would run with two OpenMP teams, ~2x slower
+    (nightjar/kernel/threads.py)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_measure_sync, kw, batch, tokens).result()
 
 
 async def _drain(eng, prompt, batch, tokens):
@@ -72,17 +87,30 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    ap.add_argument("--compute", default="thread", help="comma-separated: thread (the default engine), inline "
+                    "(--inline-compute: forwards on the event loop's thread); several are run interleaved")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over every (B, compute) pair; medians printed")
     a = ap.parse_args(argv)
-    kw = dict(model=a.model, policy=a.policy, dtype=a.dtype, quantization=a.quantization)
-    print("| B | overhead/step (µs) | step (ms) | overhead % |\n|---|---|---|---|")
-    for B in (1, 32):
-        over, total = asyncio.run(measure(kw, B, a.tokens))
-        print(f"| {B} | {over * 1e6:.0f} | {total * 1e3:.1f} | {100 * over / total:.2f} % |", flush=True)
-        if B == 1:
-            step1 = total
+    modes = a.compute.split(",")
+    if not set(modes) <= {"thread", "inline"}:
+        ap.error(f"--compute takes thread and/or inline, not {a.compute!r}")
+    runs: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for _ in range(a.repeats):
+        for B in (int(b) for b in a.batches.split(",")):
+            for mode in modes:
+                kw = dict(model=a.model, policy=a.policy, dtype=a.dtype, quantization=a.quantization,
+                          inline_compute=mode == "inline")
+                runs.setdefault((B, mode), []).append(in_own_process(kw, B, a.tokens))
+    print("| B | compute | overhead/step (µs) | step (ms) | overhead % | runs (µs) |\n|---|---|---|---|---|---|")
+    for (B, mode), rs in runs.items():
+        over, total = statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)
+        each = ", ".join(f"{r[0] * 1e6:.0f}" for r in rs)
+        print(f"| {B} | {mode} | {over * 1e6:.0f} | {total * 1e3:.1f} | {100 * over / total:.2f} % | {each} |")
+    step1 = statistics.median(r[1] for (B, _), rs in runs.items() for r in rs if B == min(k[0] for k in runs))
     floor = asyncio.run(handoff_floor(step1))
     print(f"\none bare executor hand-off after a {step1 * 1e3:.1f} ms idle job: {floor * 1e6:.0f} µs "
-          f"(a step has two: {200 * floor / step1:.2f} % of the B = 1 step)")
+          f"(a threaded step has two: {200 * floor / step1:.2f} % of the smallest batch's step)")
 
 
 if __name__ == "__main__":

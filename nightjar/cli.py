@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, inline_compute=True)   # one request: the loop has nothing else to serve
     m = sub.add_parser("models", help="pull or list models")
     m.add_argument("action", choices=["pull", "list"])
     m.add_argument("names", nargs="*")

@@ -320,12 +320,15 @@ class Engine:
         if self.started:
             return self
         # loads, allocations and forwards all on the one compute thread (kernel/threads.py: a second
-        # thread that ever ran torch's parallel CPU work made every forward ~2x slower)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute")
+        # thread that ever ran torch's parallel CPU work made every forward ~2x slower); with inline_compute
+        # that thread is the event loop's own
+        self._executor = (None if self.config.inline_compute
+                          else ThreadPoolExecutor(1, thread_name_prefix="nightjar-compute"))
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._build)
+            await self._on_compute_thread(self._build)
         except BaseException:
-            self._executor.shutdown(wait=False)
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
             raise
         if self.config.synthetic_acceptance is not None:
             log.warning("SYNTHETIC ACCEPTANCE %.2f: drafts are accepted at random; outputs are NOT the target's",
@@ -342,6 +345,13 @@ class Engine:
             self._tasks.append(task)
         self.started = True
         return self
+
+    async def _on_compute_thread(self, fn) -> None:
+        """``fn()`` where forwards run: the compute thread, or here on the loop with ``inline_compute``."""
+        if self._executor is None:
+            fn()
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def _open_trace(self) -> None:
         self.tracer = None
@@ -389,8 +399,9 @@ class Engine:
             self._fail_all(self._error)
         if self.weights.transfer is not None:     # a copy in flight finishes first
             self.weights.transfer.shutdown()
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.weights.restore_now)
-        self._executor.shutdown(wait=True)
+            await self._on_compute_thread(self.weights.restore_now)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         for loaded in (self.target, self.draft):
             if loaded is not None:
                 detach_graphs(loaded.model)      # frees the graphs' memory; the models may serve another engine
@@ -479,7 +490,10 @@ async def _collect(engine: Engine, prompt, params: SamplingParams) -> RequestOut
 
 
 def generate(prompt, params: SamplingParams | None = None, **engine_kwargs) -> RequestOutput:
-    """Blocking convenience for scripts: start an engine, generate once, stop."""
+    """Blocking convenience for scripts: start an engine, generate once, stop (forwards on this thread: one
+    request, so no compute thread unless ``inline_compute=False``)."""
+    engine_kwargs.setdefault("inline_compute", True)
+
     async def main():
         async with Engine(**engine_kwargs) as engine:
             return await _collect(engine, prompt, params or SamplingParams())

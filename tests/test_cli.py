@@ -31,6 +31,15 @@ def test_serve_client_limits_have_defaults_and_bad_values_exit_2_without_traceba
         assert flag in err and "Traceback" not in err
 
 
+def test_generate_runs_its_forwards_inline_and_serve_on_a_compute_thread_unless_told():
+    from nightjar.engine_args import engine_kwargs
+
+    def inline(argv):
+        return engine_kwargs(build_parser().parse_args(argv))["inline_compute"]
+    assert inline(["generate", "hi"]) and not inline(["generate", "hi", "--no-inline-compute"])
+    assert not inline(["serve"]) and inline(["serve", "--inline-compute"])
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["generate", "hi", "--policy", "fixed:5"], "--policy"),
     (["generate", "hi", "--policy", "nosuch"], "--policy"),

@@ -69,6 +69,32 @@ def test_greedy_tokens_are_identical_for_every_policy_and_batch_size(make_engine
                 assert 0 < stats.accepted_tokens < stats.draft_tokens     # the draft is right only sometimes
 
 
+def test_inline_compute_runs_the_forwards_on_the_loops_thread_with_the_same_tokens(make_engine, smol_tokenizer,
+                                                                                  monkeypatch):
+    """--inline-compute: no compute thread; the verifier's forwards run on the event loop's own thread."""
+    import threading
+
+    from nightjar.actors.verifier import Verifier
+
+    prompts = prompts_of_mixed_length(smol_tokenizer, 8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref, _ = generate_with(make_engine, "fixed:2", prompts, params, max_num_seqs=4)
+    threads: set[int] = set()
+    handle = Verifier.handle_batch
+
+    def spy(self, envs):
+        threads.add(threading.get_ident())
+        return handle(self, envs)
+
+    async def main():
+        async with make_engine("fixed:2", max_num_seqs=4, inline_compute=True) as eng:
+            assert eng._executor is None
+            return await run_all(eng, prompts, params)
+    monkeypatch.setattr(Verifier, "handle_batch", spy)
+    assert asyncio.run(main()) == ref
+    assert threads == {threading.get_ident()}            # asyncio.run's loop runs on this thread
+
+
 def test_preemption_under_a_tiny_pool_completes_every_request_with_the_same_tokens(make_engine, smol_tokenizer):
     prompts = [p[:40] for p in prompts_of_mixed_length(smol_tokenizer, 12)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)

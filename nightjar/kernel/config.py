@@ -28,6 +28,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_kv_tokens: int | None = None     # draft KV capacity in tokens (default: target pool's)
     synthetic_acceptance: float | None = None   # TESTING ONLY: accept each draft with this probability
     enforce_eager: bool = False            # CUDA: no CUDA graphs (models/cuda_graph.py); CPU is always eager
+    inline_compute: bool = False           # forwards on the event loop's own thread (no thread hand-offs; the loop
+                                           # serves no I/O while one runs): for one client, not a server
     planner_profile: str | None = None     # a `nightjar profile` JSON for the planner's step times, "auto" (this
                                            # machine's cached one, measured on first use) or None (the prior)
     trace: str | None = None               # record every bus envelope to this file
