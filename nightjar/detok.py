@@ -12,16 +12,13 @@ class IncrementalText:
         self.sent = 0                 # characters already emitted
         self.text = ""
         self.stopped = False
+        self.whole = ""               # the text of ids[:read], which ends on a whole character
+        self.prefix = self.read = 0   # the next decode starts at ids[prefix] (read - prefix tokens of context)
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the text that may be shown now."""
         self.ids.extend(new_ids)
-        full = self.tok.decode(self.ids) if self.tok else ""
-        if full.endswith("\ufffd"):
-            # an incomplete UTF-8 sequence (the decoder writes one U+FFFD for it): wait for more bytes while
-            # streaming; at the end the answer was cut inside a character, so drop it. (A literal U+FFFD
-            # as the very last character of an answer is dropped too.)
-            full = full[: len(full) - 1]
+        full = self._decode()
         cut = self._find_stop(full)
         if cut is not None:
             full, self.stopped, final = full[:cut], True, True
@@ -30,6 +27,26 @@ class IncrementalText:
         delta = full[self.sent: len(full) - hold]
         self.sent += len(delta)
         return delta
+
+    def _decode(self) -> str:
+        """The text of every token so far, as one decode of them all gives it, less a trailing U+FFFD: an
+        incomplete UTF-8 sequence (the decoder writes one U+FFFD for it) waits for more bytes while streaming;
+        at the end the answer was cut inside a character, so it is dropped (a literal U+FFFD as the very last
+        character of an answer is dropped too). Decodes only the tokens since the last whole character, with
+        the tokens before them as context (a decoder may treat the first token of a decode differently), so a
+        step costs the same at token 10 and 10,000."""
+        if not self.tok:
+            return ""
+        head = self.tok.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        window = self.tok.decode(self.ids[self.prefix:])
+        if not window.startswith(head):       # a decoder that rewrites across tokens: start over from token 0
+            head, window, self.whole, self.prefix, self.read = "", self.tok.decode(self.ids), "", 0, 0
+        new = window[len(head):]
+        if new.endswith("\ufffd"):
+            return self.whole + new[:-1]
+        self.whole += new
+        self.prefix, self.read = self.read, len(self.ids)
+        return self.whole
 
     def _find_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]

@@ -37,3 +37,42 @@ def test_a_stop_string_after_multibyte_text_still_cuts_the_answer(smol_tokenizer
     ids = smol_tokenizer.encode(JAPANESE)
     deltas, text = stream(smol_tokenizer, ids, stop=["東京"])
     assert text == "日本語の文章を書きます。" and "".join(deltas) == text
+
+
+def test_pushes_give_the_text_of_one_decode_of_every_token_in_any_chunking(smol_tokenizer):
+    """Decoding only the tokens since the last whole character gives what one decode of them all gives (less a
+    trailing U+FFFD), for random ids (byte tokens, invalid UTF-8 in the middle, special tokens) in random chunks."""
+    import random
+
+    rng = random.Random(7)
+    vocab = smol_tokenizer.tok.get_vocab_size()
+    texts = ["Tokyo 東京 🌸 and Kyoto 京都 🍵 done", JAPANESE, "plain ascii, then 🌸🌸 emoji\n\n  spaced"]
+    seqs = [smol_tokenizer.encode(t) for t in texts] + [[rng.randrange(vocab) for _ in range(60)] for _ in range(30)]
+    for ids in seqs:
+        text, k = IncrementalText(smol_tokenizer, []), 0
+        while k < len(ids):
+            n = rng.choice((1, 1, 1, 2, 3, 5))
+            text.push(ids[k:k + n])
+            k += n
+            whole = smol_tokenizer.decode(ids[:k])
+            assert text.text == (whole[:-1] if whole.endswith("\ufffd") else whole), (ids, k)
+
+
+def test_a_decoder_that_strips_the_first_tokens_space_keeps_the_spaces_between_pushes():
+    """SentencePiece-style (Metaspace) decoders drop the leading space of a decode's first token: each decode
+    keeps tokens before the new ones as context, so no space goes missing between pushes."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"▁Hello": 0, "▁world": 1, "!": 2, "▁how": 3, "▁are": 4, "▁you": 5}
+    sp = Tokenizer(models.WordLevel(vocab, unk_token="!"))
+    sp.decoder = decoders.Metaspace()
+
+    class Tok:
+        def decode(self, ids):
+            return sp.decode(list(ids))
+    ids = [0, 1, 2, 3, 4, 5, 2]
+    assert Tok().decode([1]) == "world"                  # the leading space goes at the start of a decode
+    for chunk in (1, 2, 3):
+        text = IncrementalText(Tok(), [])
+        deltas = [text.push(ids[k:k + chunk]) for k in range(0, len(ids), chunk)]
+        assert "".join(deltas) == text.text == "Hello world! how are you!"
