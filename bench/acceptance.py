@@ -3,6 +3,7 @@
     python bench/acceptance.py [--draft default,nightjar/models/drafts/smollm2-135m-head] [--gamma 4]
                                [--max-tokens 64] [--prompts heldout] [--repeats 2] [--speed-prompts 12]
     python bench/acceptance.py --temperature 0.8 --skip-speed    # sampled: Gumbel coupling vs rejection
+    python bench/acceptance.py --quantization int4 --draft default,default@int4 --skip-speed   # quantized
 
 A draft is an independent model (``default``: the shipped small Llama draft, or any checkpoint) or a
 draft head directory (models/eagle.py). For each draft, on the same prompts (``heldout``: the held-out
@@ -28,8 +29,8 @@ from pathlib import Path
 
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepDrafted, StepTimed
-from nightjar.models import load_draft, load_model
 from nightjar.models.eagle import is_head
+from nightjar.models.quant import load_quantized
 from nightjar.sampling import SamplingParams
 
 
@@ -149,6 +150,12 @@ def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
     return med, {k: round(statistics.median(v), 4) for k, v in zero_cost.items()}
 
 
+def load_draft_spec(spec: str, target, dtype: str):
+    """NAME or NAME@MODE (weight-only quantization of the draft's layers, models/quant.py)."""
+    name, _, mode = spec.partition("@")
+    return load_quantized(name, dtype, "cpu", mode or "none", draft_for=target.config)
+
+
 def summarize(name: str, med: dict, gamma: int) -> dict:
     fixed = {g: med[f"{name} fixed:{g}"] for g in range(1, gamma + 1)}
     best = max(fixed, key=fixed.get)
@@ -162,8 +169,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--draft", default="default", help="comma-separated drafts (models or head directories)")
+    ap.add_argument("--draft", default="default", help="comma-separated drafts (models or head directories); "
+                    "NAME@MODE quantizes one (int8, int4), e.g. default,default@int4")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="the target's")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the speed runs")
     ap.add_argument("--speed-prompts", type=int, default=12, help="prompts per single-stream speed run")
@@ -172,8 +181,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-speed", action="store_true", help="only acceptance (no speed runs)")
     a = ap.parse_args(argv)
     prompts = read_prompts(a.prompts, a.limit)
-    target = load_model(a.model, a.dtype)
-    pairs = {d: (target, load_draft(d, target.config, a.dtype)) for d in a.draft.split(",")}
+    target = load_quantized(a.model, a.dtype, "cpu", a.quantization)
+    pairs = {d: (target, load_draft_spec(d, target, a.dtype)) for d in a.draft.split(",")}
     result = {"prompts": len(prompts), "gamma": a.gamma, "drafts": {}}
     for name, pair in pairs.items():
         r = acceptance(pair, a, prompts)

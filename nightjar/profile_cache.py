@@ -27,10 +27,11 @@ from nightjar.sampling import ConfigError
 # 8: a quantized model's LM head is int8 (models/quant.py QuantHead), ~1 ms less per step at a few rows;
 # 9: int4 layers on the fused int4_linear up to 128 rows, verify steps at a few rows far cheaper;
 # 10: fused paged attention in tasks of 64 positions (0.55-0.81x its time), int4 layers' Python glue cut:
-# int4 B = 1 steps ~12 % faster, B = 16 verify steps ~15 %),
+# int4 B = 1 steps ~12 % faster, B = 16 verify steps ~15 %; 11: a draft head quantized with --draft-quantization,
+# its pass at B = 1 1.41 -> 0.70 ms with int4),
 # so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
 # ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) is part of the key too.
-KERNELS_VERSION = 10
+KERNELS_VERSION = 11
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:

@@ -8,7 +8,8 @@ box (SmolLM2-135M, bf16, B = 1, one forward): 29 ms while one thread had ever ru
 from the moment a second thread had run one large op (a model load, a 64 MB fill), for as long as that
 thread lived, on both threads.
 
-So the engine loads its models, allocates its caches and runs every forward on its one compute thread;
+So the engine loads its models, allocates its caches and runs every forward on its one compute thread (with
+``EngineConfig.inline_compute``, the event loop's own thread: no hand-off per step, no I/O while a forward runs);
 torch work that must happen elsewhere (the KV pool's grow and shrink, which run on the event loop; CPU
 draft-weight copies, which overlap steps) runs on a short-lived thread, whose team goes away when it exits.
 """

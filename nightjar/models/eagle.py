@@ -113,11 +113,11 @@ class DraftHead(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype         # (the linear layers may hold quantized codes: models/quant.py)
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.norm.weight.device
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """Raw target features [T, nF*H] -> fused features g [T, H] (the head's dtype)."""

@@ -255,20 +255,22 @@ def _linear_weight(m: nn.Module) -> torch.Tensor | None:
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP, head: bool = True) -> int:
-    """Replace every bias-free linear layer inside ``model.layers`` by a QuantLinear; returns how many.
-    With ``head`` (and the fused CPU ops built) the LM head becomes a QuantHead (int8 in both modes, as
-    GGUF files keep theirs in Q8_0 beside Q4 layers). The embedding and norms keep their dtype. Runs after
-    loading (and after fusion)."""
+    """Replace every bias-free linear layer inside ``model.layers`` (a draft head's: every one but its LM head)
+    by a QuantLinear; returns how many. With ``head`` (and the fused CPU ops built) the LM head becomes a
+    QuantHead (int8 in both modes, as GGUF files keep theirs in Q8_0 beside Q4 layers). The embedding and
+    norms keep their dtype. Runs after loading (and after fusion)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; use one of {MODES}")
     if mode == "none":
         return 0
     if model.device.type != "cpu":
         raise ValueError(f"quantization {mode} runs on CPU only (torch's packed CPU kernels)")
-    swaps = [(name, w) for name, m in model.layers.named_modules() if (w := _linear_weight(m)) is not None]
+    root = model.layers if hasattr(model, "layers") else model
+    swaps = [(name, w) for name, m in root.named_modules()
+             if m is not model.lm_head and (w := _linear_weight(m)) is not None]
     for name, w in swaps:
         parent_name, _, attr = name.rpartition(".")
-        parent = model.layers.get_submodule(parent_name) if parent_name else model.layers
+        parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, QuantLinear.from_weight(w, mode, group_size))
     if head and cpu_fused.available() and (w := _linear_weight(model.lm_head)) is not None:
         model.lm_head = QuantHead.from_weight(w)
@@ -310,8 +312,6 @@ def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft
     draft: its plain weights stay the parameters the weight mover moves)."""
     from nightjar.models import load_draft, load_model, parse_dtype
 
-    if draft_for is not None and is_draft_head(spec):
-        return load_draft(spec, draft_for, dtype, device, seed)      # a draft head stays unquantized
     if mode == "none":
         if draft_for is not None:
             return load_draft(spec, draft_for, dtype, device, seed)

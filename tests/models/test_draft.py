@@ -74,15 +74,25 @@ def test_the_default_draft_is_the_shipped_head_and_drafts_greedy_exact_on_smollm
     assert stats.accepted_tokens > 0.2 * stats.draft_tokens       # a trained head, fed the right features
 
 
-def test_the_default_head_stays_unquantized_when_drafts_are_quantized(smollm2_fp32):
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_draft_head_drafts_greedy_exact_and_still_gets_accepted(smollm2_fp32, mode):
+    """--draft-quantization reaches a draft head too: every linear layer a QuantLinear, its LM head over the
+    draft vocabulary an int8 QuantHead (where the fused ops build); verification stays exact."""
     from nightjar.models.eagle import is_head
-    from nightjar.models.quant import is_draft_head, load_quantized, quantized_modes
+    from nightjar.models.quant import QuantHead, is_draft_head, load_quantized, quantized_modes
 
     assert is_draft_head("default") and is_draft_head("head") and not is_draft_head("independent")
-    head = load_quantized("default", "float32", "cpu", "int8", draft_for=smollm2_fp32.config)
-    assert is_head(head.model) and not quantized_modes(head.model)
-    small = load_quantized("independent", "float32", "cpu", "int8", draft_for=smollm2_fp32.config)
-    assert quantized_modes(small.model) == {"int8"}
+    head = load_quantized("default", "float32", "cpu", mode, draft_for=smollm2_fp32.config)
+    assert is_head(head.model) and quantized_modes(head.model) == {mode}
+    assert isinstance(head.model.lm_head, QuantHead) == cpu_fused.available()
+    assert not any(type(m) is torch.nn.Linear for m in head.model.modules())
+    prompts = ["What is the capital of Italy?", "Write a short poem about rain."]
+    ref, _ = greedy_runs((smollm2_fp32, None), "off", prompts)
+    got, stats = greedy_runs((smollm2_fp32, head), "fixed:3", prompts)
+    assert got == ref
+    assert stats.accepted_tokens > 0.2 * stats.draft_tokens
+    small = load_quantized("independent", "float32", "cpu", mode, draft_for=smollm2_fp32.config)
+    assert quantized_modes(small.model) == {mode}
 
 
 def test_a_shipped_name_whose_files_are_missing_falls_back_to_a_logged_random_draft(monkeypatch, tmp_path, caplog,
