@@ -229,10 +229,10 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-// Lane j of the result is the sum of a[j]'s 16 lanes: a transposing tree of 15 shuffle-adds in place of 16
-// horizontal sums (each level halves the lanes per source and doubles the sources per vector)
-inline v16 sum16(const v16* a) {
-  v16 b[8], c[4], e[2];
+// a[16] -> their lane sums (lane i: the sum of a[i]'s lanes); halving shuffles, so every sum is formed in
+// the same order whichever slot its vector holds
+inline v16 reduce16(const v16* a) {
+  v16 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -240,10 +240,10 @@ inline v16 sum16(const v16* a) {
     c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)
-    e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
            __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // Positions per attention task. Fixed, so that a query's numbers depend only on its own row's positions: not on
@@ -285,7 +285,7 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
         for (int64_t c = 1; c < C; ++c) s += qf[r * C + c] * kv[j * C + c];
         a[j] = s;
       }
-      sc[r * S + j0 / 16] = sum16(a);
+      sc[r * S + j0 / 16] = reduce16(a);
     }
   }
   for (int64_t r = 0; r < n; ++r) {  // e^(s - m) over the visible positions, 0 past them
@@ -480,23 +480,6 @@ at::Tensor int4_weight_t(const at::Tensor& qweight, const at::Tensor& sz, int64_
 // the tiling or the threads: a row's numbers never depend on the step's other rows.
 constexpr int MT = 4, NT = 4;
 typedef int8_t c16 __attribute__((vector_size(16)));
-
-// a[16] -> their lane sums (lane i: the sum of a[i]'s lanes); halving shuffles, so every sum is formed in
-// the same order whichever slot its vector holds
-inline v16 reduce16(const v16* a) {
-  v16 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
 
 // R rows of fp32 x (rows of C 16-lane chunks) against NT widened weight rows -> acc[R * NT] (row-major)
 template <int R>
