@@ -101,7 +101,7 @@ class QuantLinear(nn.Module):
     def _select_kernel(self) -> None:
         """``fused_int4``: the fused ``int4_linear`` can serve this layer (rows independent of the step; 1.2-2.2x
         torch's kernel from 1 to 48 rows, docs/quantization.md) for inputs of up to FUSED_INT4_MAX_ROWS rows
-        in a dtype it takes. Decided when the layer is made or moved, as the model's own fused ops are."""
+        in a dtype it takes. Decided when the layer is made, moved or cast, as the model's own fused ops are."""
         self.fused_int4 = (self.mode == "int4" and self.out_features % 64 == 0 and self.qweight.device.type == "cpu"
                            and self.scales.dtype in _FUSED_DTYPES and cpu_fused.available())
 
@@ -292,17 +292,6 @@ def cast_floats(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         if isinstance(m, QuantLinear):
             m._select_kernel()                      # the fused int4 op takes fp32 and bf16 scales only
     return model
-
-
-def is_draft_head(spec) -> bool:
-    """Whether a draft spec (a shipped name such as "default", or a path) names a draft head."""
-    from pathlib import Path
-
-    from nightjar.models import NAMED_DRAFTS
-    from nightjar.models.eagle import is_head_dir
-
-    spec = NAMED_DRAFTS.get(spec, spec)                 # a shipped name -> its directory
-    return spec not in (None, "none", "", "random") and is_head_dir(Path(str(spec)))
 
 
 def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft_for=None, seed: int = 0):

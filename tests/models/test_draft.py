@@ -79,9 +79,8 @@ def test_a_quantized_draft_head_drafts_greedy_exact_and_still_gets_accepted(smol
     """--draft-quantization reaches a draft head too: every linear layer a QuantLinear, its LM head over the
     draft vocabulary an int8 QuantHead (where the fused ops build); verification stays exact."""
     from nightjar.models.eagle import is_head
-    from nightjar.models.quant import QuantHead, is_draft_head, load_quantized, quantized_modes
+    from nightjar.models.quant import QuantHead, load_quantized, quantized_modes
 
-    assert is_draft_head("default") and is_draft_head("head") and not is_draft_head("independent")
     head = load_quantized("default", "float32", "cpu", mode, draft_for=smollm2_fp32.config)
     assert is_head(head.model) and quantized_modes(head.model) == {mode}
     assert isinstance(head.model.lm_head, QuantHead) == cpu_fused.available()
