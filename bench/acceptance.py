@@ -29,6 +29,7 @@ from pathlib import Path
 
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepDrafted, StepTimed
+from nightjar.kernel.threads import on_fresh_thread
 from nightjar.models.eagle import is_head
 from nightjar.models.quant import load_quantized
 from nightjar.sampling import SamplingParams
@@ -181,8 +182,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-speed", action="store_true", help="only acceptance (no speed runs)")
     a = ap.parse_args(argv)
     prompts = read_prompts(a.prompts, a.limit)
-    target = load_quantized(a.model, a.dtype, "cpu", a.quantization)
-    pairs = {d: (target, load_draft_spec(d, target, a.dtype)) for d in a.draft.split(",")}
+    # loaded on a thread that exits: torch work on this (main) thread would leave an OpenMP team beside each
+    # engine's compute thread and every forward would run ~2x slower (nightjar/kernel/threads.py)
+    target = on_fresh_thread(load_quantized, a.model, a.dtype, "cpu", a.quantization)
+    pairs = {d: (target, on_fresh_thread(load_draft_spec, d, target, a.dtype)) for d in a.draft.split(",")}
     result = {"prompts": len(prompts), "gamma": a.gamma, "drafts": {}}
     for name, pair in pairs.items():
         r = acceptance(pair, a, prompts)
