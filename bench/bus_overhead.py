@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+
+from peers import in_own_process  # bench/peers.py: a fresh spawned process per call
 
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepScheduled, StepTimed
@@ -46,14 +47,6 @@ async def measure(kw: dict, batch: int, tokens: int) -> tuple[float, float]:
 
 def _measure_sync(kw: dict, batch: int, tokens: int) -> tuple[float, float]:
     return asyncio.run(measure(kw, batch, tokens))
-
-
-def in_own_process(kw: dict, batch: int, tokens: int) -> tuple[float, float]:
-    """One measurement in a fresh (spawned) process: an inline engine runs torch on the main thread, and a
-    thread-mode engine in the same process afterwards would run with two OpenMP teams, ~2x slower
-    (nightjar/kernel/threads.py)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure_sync, kw, batch, tokens).result()
 
 
 async def _drain(eng, prompt, batch, tokens):
@@ -101,13 +94,16 @@ def main(argv=None) -> None:
             for mode in modes:
                 kw = dict(model=a.model, policy=a.policy, dtype=a.dtype, quantization=a.quantization,
                           inline_compute=mode == "inline")
-                runs.setdefault((B, mode), []).append(in_own_process(kw, B, a.tokens))
+                # each run in a fresh process: an inline engine runs torch on the main thread, and a threaded
+                # engine after it in the same process would run beside a second OpenMP team, ~2x slower
+                runs.setdefault((B, mode), []).append(in_own_process(_measure_sync, (kw, B, a.tokens)))
     print("| B | compute | overhead/step (µs) | step (ms) | overhead % | runs (µs) |\n|---|---|---|---|---|---|")
     for (B, mode), rs in runs.items():
         over, total = statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)
         each = ", ".join(f"{r[0] * 1e6:.0f}" for r in rs)
         print(f"| {B} | {mode} | {over * 1e6:.0f} | {total * 1e3:.1f} | {100 * over / total:.2f} % | {each} |")
-    step1 = statistics.median(r[1] for (B, _), rs in runs.items() for r in rs if B == min(k[0] for k in runs))
+    b0 = min(B for B, _ in runs)
+    step1 = statistics.median(r[1] for (B, _), rs in runs.items() if B == b0 for r in rs)
     floor = asyncio.run(handoff_floor(step1))
     print(f"\none bare executor hand-off after a {step1 * 1e3:.1f} ms idle job: {floor * 1e6:.0f} µs "
           f"(a threaded step has two: {200 * floor / step1:.2f} % of the smallest batch's step)")

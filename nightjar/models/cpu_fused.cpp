@@ -308,7 +308,7 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
   }
   const float* w = reinterpret_cast<const float*>(sc.data());
   for (int64_t r0 = 0; r0 < np; r0 += R) {  // acc = sum_p e_p v_p for R queries per pass over V (in registers)
-    v16 acc[R * kMaxC] = {};
+    v16 acc[R * (CC > 0 ? CC : kMaxC)] = {};
     for (int64_t p = 0; p < P; ++p) {
       widen(vc + off[p], kv.data(), d, C);
       for (int64_t rr = 0; rr < R; ++rr) {
@@ -387,14 +387,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     const scalar_t* pv = pk + cache.stride(0);
     const int64_t hs = cache.stride(1);
     scalar_t* po = out.data_ptr<scalar_t>();
+    auto* attend = d == 64    ? attend_chunk<scalar_t, 4>
+                   : d == 128 ? attend_chunk<scalar_t, 8>
+                              : attend_chunk<scalar_t, 0>;
     at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {
       for (int64_t task = lo; task < hi; ++task) {
         const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
         const int64_t nc = chunks(b), h = (task - first[b]) / nc, c = (task - first[b]) % nc;
         const int64_t t0 = pq[b], Q = pq[b + 1] - t0;
-        auto* fn = d == 64 ? attend_chunk<scalar_t, 4> : d == 128 ? attend_chunk<scalar_t, 8> : attend_chunk<scalar_t, 0>;
-        fn(pqv + t0 * nh * d, pk + h * hs, pv + h * hs, pt + b * nb, block_size, pl[b], Q, gq, d, nh, h,
-           static_cast<float>(scale), c * kChunk, pp + base[b] + (h * nc + c) * Q * gq * (d + 2));
+        attend(pqv + t0 * nh * d, pk + h * hs, pv + h * hs, pt + b * nb, block_size, pl[b], Q, gq, d, nh, h,
+               static_cast<float>(scale), c * kChunk, pp + base[b] + (h * nc + c) * Q * gq * (d + 2));
       }
     });
     at::parallel_for(0, B * nkv, 1, [&](int64_t lo, int64_t hi) {
