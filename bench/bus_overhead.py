@@ -1,12 +1,15 @@
 """Per-step bus + actor overhead against step time, at B=1 and B=32, with forwards on the compute thread or inline.
 
     python bench/bus_overhead.py [--model smollm2-135m] [--policy off] [--tokens 64] [--quantization int4]
-                                 [--compute thread,inline] [--batches 1,32] [--repeats 3]
+                                 [--compute thread,serial,inline] [--batches 1,32] [--repeats 3]
 
 Overhead per step = wall time between consecutive StepScheduled envelopes minus the model time the
 verifier measured (StepTimed.step_time_s + catch-up). It covers every hand-off of the step
-(batcher -> planner -> KV -> draft -> verifier -> batcher), the compute-thread hops and Python glue. ``inline``
-runs the engine with ``inline_compute`` (forwards on the event loop's thread: no hops).
+(batcher -> planner -> KV -> draft -> verifier -> batcher), the compute-thread hops and Python glue that the
+compute thread waits for. ``thread`` is the default engine (a compute thread; the verifier starts the next γ = 0
+step before the loop commits this one, ``run_ahead``), ``serial`` the same without run-ahead, ``inline`` runs
+the engine with ``inline_compute`` (forwards on the event loop's thread: no hops). A run-ahead step's measured
+time includes what the loop's work running beside it costs it: compare the step periods too.
 
 A last line gives the machine's floor for one of the step's two thread hand-offs: a bare ``run_in_executor``
 whose job sleeps as long as a step (no model, no actors), from the job's return to the event loop resuming.
@@ -80,24 +83,25 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
-    ap.add_argument("--compute", default="thread", help="comma-separated: thread (the default engine), inline "
-                    "(--inline-compute: forwards on the event loop's thread); several are run interleaved")
+    ap.add_argument("--compute", default="thread", help="comma-separated: thread (the default engine), serial "
+                    "(--no-run-ahead), inline (--inline-compute: forwards on the event loop's thread); several are "
+                    "run interleaved")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over every (B, compute) pair; medians printed")
     a = ap.parse_args(argv)
     modes = a.compute.split(",")
-    if not set(modes) <= {"thread", "inline"}:
-        ap.error(f"--compute takes thread and/or inline, not {a.compute!r}")
+    if not set(modes) <= {"thread", "serial", "inline"}:
+        ap.error(f"--compute takes thread, serial and/or inline, not {a.compute!r}")
     runs: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for _ in range(a.repeats):
         for B in (int(b) for b in a.batches.split(",")):
             for mode in modes:
                 kw = dict(model=a.model, policy=a.policy, dtype=a.dtype, quantization=a.quantization,
-                          inline_compute=mode == "inline")
+                          inline_compute=mode == "inline", run_ahead=mode != "serial")
                 # each run in a fresh process: an inline engine runs torch on the main thread, and a threaded
                 # engine after it in the same process would run beside a second OpenMP team, ~2x slower
                 runs.setdefault((B, mode), []).append(in_own_process(_measure_sync, (kw, B, a.tokens)))
-    print("| B | compute | overhead/step (µs) | step (ms) | overhead % | runs (µs) |\n|---|---|---|---|---|---|")
+    print("| B | compute | overhead/step (µs) | step period (ms) | overhead % | runs (µs) |\n|---|---|---|---|---|---|")
     for (B, mode), rs in runs.items():
         over, total = statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)
         each = ", ".join(f"{r[0] * 1e6:.0f}" for r in rs)

@@ -254,7 +254,8 @@ class Engine:
         from nightjar.actors.control import build_control_actors
 
         c = self.config
-        built = build_control_actors(self.control_spec())
+        spec = self.control_spec()
+        built = build_control_actors(spec)
         self.batcher, self.planner, self.weights = built["batcher"], built["planner"], built["weights"]
         kv = built["kv"]
         kv.cache, self.allocator = self.cache, kv.alloc
@@ -266,7 +267,8 @@ class Engine:
         capture = slot.model.hc.feature_layers if head else ()
         actors = [built["admission"], self.batcher, self.planner, kv, self.weights,
                   Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed, c.synthetic_acceptance,
-                           capture=capture)]
+                           capture=capture, eos_ids=spec.eos_token_ids, max_model_len=spec.max_len,
+                           run_ahead=c.run_ahead)]
         if slot is not None:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(HeadDraftExecutor(slot, self.draft_allocator, buffers, c.seed,

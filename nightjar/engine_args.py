@@ -46,13 +46,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run loads and forwards on the event loop's thread instead of a compute thread: no thread "
                         "hand-off per step (~0.3 ms each on a small VM), but nothing else runs while a forward does; "
                         "for one client (`generate` turns it on), not for serving")
+    g.add_argument("--run-ahead", action=argparse.BooleanOptionalAction, default=d.run_ahead,
+                   help="with a compute thread: start the next decode step while the event loop commits this one, "
+                        "when both are greedy steps without speculation (no effect with --inline-compute)")
     g.add_argument("--trace", default=d.trace, help="record every bus envelope to this file")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ["model", "draft", "policy", "gamma_max", "dtype", "quantization", "draft_quantization", "device",
             "device_memory", "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-            "max_queue", "seed", "planner_profile", "enforce_eager", "inline_compute"]
+            "max_queue", "seed", "planner_profile", "enforce_eager", "inline_compute", "run_ahead"]
     kw = {k: getattr(a, k) for k in keys}
     kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
     return kw

@@ -1,7 +1,9 @@
 """Batcher: continuous batching (waiting/running), chunked prefill under a token budget,
 preemption by recompute when the pool runs dry, stop conditions, and draft-lag bookkeeping.
 
-One step is in flight at a time: schedule -> (planner, KV, draft, verifier) -> StepVerified -> commit.
+One step is in flight at a time: schedule -> (planner, KV, draft, verifier) -> StepVerified -> commit. (The
+verifier may start the next decode step before this commit, ``StepVerified.ran_ahead``; that step is then the
+one scheduled next.)
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from nightjar.actors.stops import first_stop, max_len_of, stop_ids_of
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -100,7 +103,7 @@ class Batcher(Actor):
             case BlocksReserved():
                 self._mirror_blocks(msg)
             case StepVerified():
-                return self._commit(msg) + self._maybe_schedule()
+                return self._commit(msg) + self._maybe_schedule(msg.ran_ahead)
             case PoolResized():
                 self.num_free += msg.delta
                 return self._maybe_schedule()
@@ -108,10 +111,10 @@ class Batcher(Actor):
 
     def _admit(self, msg: RequestAdmitted) -> None:
         sp = msg.sampling
-        stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_ids)
         n = len(msg.prompt_ids)
         self.seqs[msg.req_id] = Seq(msg.req_id, sp, msg.speculate, list(msg.prompt_ids), n, self.arrivals,
-                                    stop_ids=stop, max_len=min(n + sp.max_tokens, self.max_model_len))
+                                    stop_ids=stop_ids_of(sp, self.eos_ids),
+                                    max_len=max_len_of(n, sp, self.max_model_len))
         self.arrivals += 1
         self.waiting.append(msg.req_id)
 
@@ -207,27 +210,29 @@ class Batcher(Actor):
             self._drop(seqs[rid])
         return out + [ReleaseBlocks(req_ids=tuple(done))]
 
-    def _apply_stops(self, seq: Seq, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason]:
-        sp, done = seq.sampling, seq.num_output
-        room = seq.max_len - len(seq.tokens)                                       # tokens still allowed
-        for i, tok in enumerate(new):
-            if tok in seq.stop_ids and done + i + 1 > sp.min_tokens:
-                return new[: i + 1], FinishReason.STOP
-            if i + 1 >= room:
-                return new[: i + 1], FinishReason.LENGTH
-        return new, FinishReason.NONE
+    @staticmethod
+    def _apply_stops(seq: Seq, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason]:
+        k, reason = first_stop(new, len(seq.tokens), seq.num_output, seq.sampling.min_tokens, seq.stop_ids,
+                               seq.max_len)
+        return new[:k], reason
 
     # ---- scheduling ----------------------------------------------------------------------------
-    def _maybe_schedule(self) -> list:
+    def _maybe_schedule(self, ran_ahead: bool = False) -> list:
+        """The next step, if none is in flight. After a step whose verifier already started the next one
+        (``ran_ahead``: the rows that go on, one token each, in their slots) the decode rows alone, so that
+        the step scheduled is the one started; a request that arrived meanwhile waits one step more."""
         if self.inflight is not None or not (self.running or self.waiting):
             return []
         out = self._finish_stranded()
         rows = self._decode_rows()
         preempted = ()
-        if rows.total > self.num_free and len(self.running) > 1:
-            preempted = self._ensure_decode_fits(rows.need)
-            rows = self._decode_rows([rid for rid in rows.ids if rid not in preempted])
-        prefill = self._pick_prefill(rows.ids, rows.total)
+        if ran_ahead and rows.ids and not rows.total:
+            prefill = []
+        else:
+            if rows.total > self.num_free and len(self.running) > 1:
+                preempted = self._ensure_decode_fits(rows.need)
+                rows = self._decode_rows([rid for rid in rows.ids if rid not in preempted])
+            prefill = self._pick_prefill(rows.ids, rows.total)
         if preempted:
             out += [RequestsPreempted(req_ids=preempted), ReleaseBlocks(req_ids=preempted)]
         if rows.ids or prefill:

@@ -38,7 +38,7 @@ class KVPoolActor(Actor):
                 self.sched = msg
             case StepPlanned():
                 self.inflight = msg.step
-                return [self._reserve(msg.gamma, msg.gammas)]
+                return [self._reserve(msg.gamma, msg.gammas, msg.next_zero)]
             case TokensCommitted():
                 self._commit(msg)
                 if msg.step == self.inflight:
@@ -59,19 +59,25 @@ class KVPoolActor(Actor):
                 self.alloc.free(rid)
 
     @staticmethod
-    def _needs(s: StepScheduled, gammas: tuple[int, ...]) -> list[int]:
-        """Slots each row must cover: its chunk's end, plus γ_i lookahead for a decode row."""
+    def _needs(s: StepScheduled, gammas: tuple[int, ...], ahead: int = 0) -> list[int]:
+        """Slots each row must cover: its chunk's end, plus γ_i (+ ``ahead``) lookahead for a decode row."""
         nd = s.num_decode
-        needs = [start + len(chunk) + g for start, chunk, g in zip(s.starts, s.chunk_ids, gammas)]
+        needs = [start + len(chunk) + g + ahead for start, chunk, g in zip(s.starts, s.chunk_ids, gammas)]
         if len(s.starts) > nd:
             needs += [start + len(chunk) for start, chunk in zip(s.starts[nd:], s.chunk_ids[nd:])]
         return needs
 
-    def _reserve(self, gamma: int, per_row: tuple[int, ...] = ()) -> BlocksReserved:
+    def _reserve(self, gamma: int, per_row: tuple[int, ...] = (), next_zero: bool = False) -> BlocksReserved:
         """Reserve the step's slots (γ_i per row); when blocks run short, cap every row's γ_i one lower
-        at a time (the batch-level γ is lowered for the whole step)."""
+        at a time (the batch-level γ is lowered for the whole step). With ``next_zero`` (γ = 0 planned for
+        the next step too) each decode row also gets the slot of its next token, where the blocks allow."""
         alloc, s = self.alloc, self.sched
         gammas = row_gammas(gamma, per_row, s.speculate, s.num_decode)
+        if next_zero and gamma == 0 and s.num_decode:
+            needs = self._needs(s, gammas, 1)
+            extra = alloc.blocks_needed_rows(s.req_ids, needs)
+            if sum(extra) <= alloc.num_free:
+                return self._reserved(gamma, gammas, needs, extra, per_row, True)
         while True:
             needs = self._needs(s, gammas)
             extra = alloc.blocks_needed_rows(s.req_ids, needs)
@@ -81,15 +87,20 @@ class KVPoolActor(Actor):
             gammas = tuple(min(g, gamma) for g in gammas)
         if per_row:
             gamma = max(gammas, default=0)
+        return self._reserved(gamma, gammas, needs, extra, per_row, False)
+
+    def _reserved(self, gamma, gammas, needs, extra, per_row, next_zero: bool) -> BlocksReserved:
+        alloc, s = self.alloc, self.sched
         alloc.reserve_rows(s.req_ids, needs, extra)
         return BlocksReserved(step=s.step, gamma=gamma,
                               block_tables=alloc.block_tables(s.req_ids),
                               num_free=alloc.num_free, num_total=alloc.num_total,
-                              gammas=gammas if per_row and gamma else ())
+                              gammas=gammas if per_row and gamma else (), next_zero=next_zero)
 
     def _migrate_and_drop(self, pairs) -> None:
-        self.cache.migrate(pairs)
-        self.cache.drop_last_segment()
+        with self.cache.lock:               # not while a run-ahead step (verifier) reads and writes the pool
+            self.cache.migrate(pairs)
+            self.cache.drop_last_segment()
 
     def _commit(self, msg: TokensCommitted) -> None:
         self.alloc.set_committed_rows(msg.req_ids, msg.num_computed)

@@ -6,6 +6,10 @@ Besides B it hands the policy what the model-based planner prices: the draft lag
 tokens (the draft prefills every prompt under any γ>0) and generated tokens (what γ=0 steps left
 behind), the prompt tokens entering decode this step, the queue, and the pool's free blocks after the
 previous step's reservation.
+
+A γ = 0 decision of a policy that ``holds_zero`` (or with no draft to run) stands for the next step as well
+(``StepPlanned.next_zero``): the verifier may start that step before this one commits (a run-ahead,
+``actors/verifier.py``), so when it comes the planner plans γ = 0 whatever the policy would say then.
 """
 from __future__ import annotations
 
@@ -44,15 +48,14 @@ class Planner(Actor):
         self.per_request = bool(getattr(self.policy, "per_request", False))
         self.row_stats = bool(getattr(self.policy, "observes_rows", False))   # per-request acceptance
         self.speculating: dict[int, tuple[bool, ...]] = {}   # step → its decode rows' speculate (batch γ)
+        self.holds_zero = bool(getattr(self.policy, "holds_zero", False))
+        self.zero_step = -1                       # the step this planner committed to γ = 0 (next_zero)
+        self.num_held = 0                         # steps planned 0 by that commitment, the policy choosing γ > 0
 
     def handle(self, msg, now):
         match msg:
             case StepScheduled():
-                g = self._decide(msg)
-                if isinstance(g, tuple):
-                    top = max(g, default=0)
-                    return [StepPlanned(step=msg.step, gamma=top, gammas=g if top else ())]
-                return [StepPlanned(step=msg.step, gamma=g)]
+                return [self._plan(msg)]
             case StepTimed():
                 self._observe(msg)
             case StepVerified() if self.row_stats:
@@ -62,6 +65,27 @@ class Planner(Actor):
             case DraftResidency():
                 self.resident = msg.resident
         return None
+
+    def _plan(self, s: StepScheduled) -> StepPlanned:
+        g = self._decide(s)
+        top = max(g, default=0) if isinstance(g, tuple) else g
+        held, self.zero_step = self.zero_step == s.step, -1
+        holds = self.holds_zero or not self.resident or not any(s.speculate)
+        if top == 0 and holds and self._may_run_ahead(s):
+            self.zero_step = s.step + 1
+        if held and top:
+            self.num_held += 1
+            return StepPlanned(step=s.step, gamma=0)
+        nz = self.zero_step > 0
+        if isinstance(g, tuple):
+            return StepPlanned(step=s.step, gamma=top, gammas=g if top else (), next_zero=nz)
+        return StepPlanned(step=s.step, gamma=g, next_zero=nz)
+
+    @staticmethod
+    def _may_run_ahead(s: StepScheduled) -> bool:
+        """Could the verifier start the next step early (decode rows only, nobody waiting)? Only then is γ = 0
+        promised for it."""
+        return 0 < s.num_decode == len(s.req_ids) and not s.num_waiting
 
     def _observe_rows(self, v: StepVerified) -> None:
         """Per-request acceptance: the rows' own γ_i, or (one γ per step) γ for the rows that could draft."""

@@ -199,6 +199,7 @@ class Policy(ABC):
     name: str = "policy"
     uses_draft: bool = True
     elastic_memory: bool = False
+    holds_zero: bool = False    # a γ = 0 decision may stand for the next step too (the planner commits to it)
 
     def __init__(self, gamma_max: int) -> None:
         if not isinstance(gamma_max, int) or isinstance(gamma_max, bool) or gamma_max < 0:
@@ -223,6 +224,7 @@ class OffPolicy(Policy):
 
     name = "off"
     uses_draft = False
+    holds_zero = True
 
     def decide(self, batch_size: int, state: PlannerState) -> int:
         """Always 0."""
@@ -233,6 +235,7 @@ class FixedPolicy(Policy):
     """γ = K whenever the draft is resident ("standard SD")."""
 
     name = "fixed"
+    holds_zero = True
 
     def __init__(self, gamma_max: int, k: int) -> None:
         super().__init__(gamma_max)
@@ -301,6 +304,7 @@ class TablePolicy(Policy):
     """
 
     name = "table"
+    holds_zero = True
 
     def __init__(self, gamma_max: int, body: str, max_num_sequence: int | None = None) -> None:
         super().__init__(gamma_max)

@@ -203,6 +203,7 @@ class ModelNightjarPolicy(Policy):
 
     name = "nightjar"
     elastic_memory = True
+    holds_zero = True           # hysteresis makes γ = 0 sticky anyway: holding it one more step delays SD by a step
 
     def __init__(self, gamma_max: int, seed: int = 0, *, profile: Any = None, z: float = 1.5,
                  z_accept: float = 0.5, model_sd: float | None = None, prior_weight: float | None = None,

@@ -1,16 +1,29 @@
 """Verifier: one target forward over every row (prefill chunks, decode tokens, γ_i+1 verify tokens),
 rejection sampling with a bonus token, and the step's measured timing. Rejected slots are rolled
-back by counters (the batcher's num_computed); nothing is freed per rejected token."""
+back by counters (the batcher's num_computed); nothing is freed per rejected token.
+
+Run-ahead (on a compute thread, ``run_ahead``): after a greedy γ = 0 decode step whose planner holds γ = 0 for
+the next step (``BlocksReserved.next_zero``, each row's next slot reserved) and with no request waiting, the
+verifier queues the next step's forward on its own thread before it returns this one: the rows that do not
+stop (``actors/stops.py``), each fed its new token. The forward runs while the event loop commits this step and
+schedules the next (``StepVerified.ran_ahead`` tells the batcher to schedule exactly those rows); when that step's
+BlocksReserved comes and matches the forward's rows, positions, tokens and blocks, its tokens are the step's,
+else the forward is dropped (its writes lie in the rows' own blocks at the slot the step rewrites). The
+forward holds the cache's lock, which a pool shrink's migration takes too, and is skipped if blocks moved
+since it was planned (``KVCache.generation``).
+"""
 from __future__ import annotations
 
 import time
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
 from nightjar.actors.draft import DraftBuffers
 from nightjar.actors.sampler import SamplingHints, argmax_last, sample_from, transform_logits, verify
+from nightjar.actors.stops import first_stop, max_len_of, stop_ids_of
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -23,14 +36,34 @@ from nightjar.kernel.messages import (
 )
 
 
+@dataclass(slots=True)
+class RunAhead:
+    """A decode step the verifier started before the step it follows committed (module docstring)."""
+    step: int
+    req_ids: tuple[int, ...]
+    starts: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]
+    tables: tuple[tuple[int, ...], ...]      # each row's blocks up to the one its position lies in
+    generation: int = 0                       # the cache's block layout it was planned on
+    tokens: list[int] | None = None           # its greedy tokens, one per row, once run
+    feats: Any = None                         # captured target features (a draft head's), once run
+    time_s: float = 0.0
+    error: BaseException | None = None
+
+
 class Verifier(Actor):
     name: ClassVar[str] = "verifier"
     subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved, StepDrafted)
     blocking = True
 
     def __init__(self, model, cache, block_size: int, buffers: DraftBuffers, seed: int,
-                 synthetic_acceptance: float | None = None, capture: tuple[int, ...] = ()):
+                 synthetic_acceptance: float | None = None, capture: tuple[int, ...] = (), *,
+                 eos_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30, run_ahead: bool = False):
         super().__init__()
+        self.eos_ids, self.max_model_len = frozenset(eos_ids), max_model_len
+        self.run_ahead, self.executor = run_ahead, None        # executor: the compute thread's, from run()
+        self.ahead: RunAhead | None = None
+        self.ahead_used = self.ahead_dropped = 0
         self.capture = capture                      # target layers a draft head reads (models/eagle.py)
         self.synthetic = synthetic_acceptance       # like vLLM's synthetic rejection sampler: NOT lossless
         self.synth_gen = torch.Generator(device=model.device).manual_seed(seed) if synthetic_acceptance else None
@@ -38,6 +71,10 @@ class Verifier(Actor):
         self.mirrors = RequestMirrors(seed, "target", model.device)
         self.sched: StepScheduled | None = None
         self.reserved: BlocksReserved | None = None
+
+    async def run(self, executor=None) -> None:
+        self.executor = executor if self.run_ahead else None
+        await super().run(executor)
 
     def handle(self, msg, now):
         if self.mirrors.observe(msg) is not None:
@@ -69,6 +106,14 @@ class Verifier(Actor):
         return chunks, nlog, drafts
 
     def _verify(self, drafted: StepDrafted | None):
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            if ahead.error is not None:
+                raise ahead.error
+            if drafted is None and self._matches(ahead):
+                self.ahead_used += 1
+                return self._from_ahead(ahead)
+            self.ahead_dropped += 1
         t0 = time.perf_counter()
         chunks, nlog, drafts = self._rows(drafted)
         logits = run_chunks(self.model, self.cache, self.block_size, chunks, list(self.sched.starts),
@@ -79,7 +124,86 @@ class Verifier(Actor):
         probs_q = self.buffers.take(drafted.handle) if drafted else {}
         toks, acc = self._decide_tokens(logits, nlog, drafts, probs_q, drafted.gamma if drafted else 0)
         dt = time.perf_counter() - t0
-        return self._results(toks, acc, drafted, dt)
+        return self._results(toks, acc, drafted, dt, drafted is None and self._start_ahead(toks))
+
+    # ---- run-ahead (module docstring) ------------------------------------------------------------
+    def _start_ahead(self, toks: list[list[int]]) -> bool:
+        """Queue the next step's forward on this thread when this γ = 0 step allows one (module docstring)."""
+        a = self._next_step(toks)
+        if a is None:
+            return False
+        try:
+            self.executor.submit(self._run_ahead, a)
+        except RuntimeError:                # the engine is stopping: its executor takes no more work
+            return False
+        self.ahead = a
+        return True
+
+    def _next_step(self, toks: list[list[int]]) -> RunAhead | None:
+        """The next step's rows (those that go on, one token each) if it may start now, else None."""
+        s, r = self.sched, self.reserved
+        if (self.executor is None or not r.next_zero or s.num_waiting or not s.num_decode
+                or s.num_decode != len(s.req_ids) or self.synthetic is not None):
+            return None
+        bs, ids, starts, chunks, tables = self.block_size, [], [], [], []
+        for rid, start, row, table in zip(s.req_ids, s.starts, toks, r.block_tables):
+            m = self.mirrors.reqs.get(rid)
+            if m is None or not m.greedy:
+                return None
+            tok = row[0]
+            if self._stops(m, tok):
+                continue
+            k = (start + 1) // bs + 1                       # blocks up to the one holding the next position
+            if k > len(table):
+                return None
+            ids.append(rid)
+            starts.append(start + 1)
+            chunks.append((tok,))
+            tables.append(table[:k])
+        if not ids:
+            return None
+        return RunAhead(s.step + 1, tuple(ids), tuple(starts), tuple(chunks), tuple(tables), self.cache.generation)
+
+    def _stops(self, m, tok: int) -> bool:
+        """Does the request stop at ``tok`` (the batcher's rule, actors/stops.py)?"""
+        got = m.extra.get("stop")
+        if got is None:
+            sp = m.sampling
+            got = m.extra["stop"] = (stop_ids_of(sp, self.eos_ids), max_len_of(m.prompt_len, sp, self.max_model_len))
+        stop_ids, max_len = got
+        return bool(first_stop((tok,), len(m.tokens), m.num_output, m.sampling.min_tokens, stop_ids, max_len)[1])
+
+    def _run_ahead(self, a: RunAhead) -> None:
+        """The forward of a run-ahead step (queued on the compute thread; its result waits in ``a``)."""
+        t0 = time.perf_counter()
+        try:
+            with self.cache.lock:
+                if self.cache.generation != a.generation:       # a shrink moved blocks since: not run
+                    return
+                out = run_chunks(self.model, self.cache, self.block_size, [list(c) for c in a.chunks],
+                                 list(a.starts), list(a.tables), [1] * len(a.chunks), self.capture)
+            if self.capture:
+                out, a.feats = out                                                         # feats [B, nF*H]
+            a.tokens = argmax_last(out).tolist()                                           # out [B, V]
+            a.time_s = time.perf_counter() - t0
+        except BaseException as e:          # raised by the step that meets it (crash-only)
+            a.error = e
+
+    def _matches(self, a: RunAhead) -> bool:
+        """Is the scheduled step (γ = 0) the one ``a`` ran: rows, positions, tokens and blocks?"""
+        s, r = self.sched, self.reserved
+        if (s.step != a.step or s.req_ids != a.req_ids or s.starts != a.starts or s.chunk_ids != a.chunks
+                or s.num_decode != len(a.req_ids) or r.gamma != 0 or a.tokens is None):
+            return False
+        return all(t[: len(ta)] == ta for t, ta in zip(r.block_tables, a.tables))
+
+    def _from_ahead(self, a: RunAhead):
+        """This step's results from its run-ahead forward, and maybe the next run-ahead."""
+        s = self.sched
+        if self.capture:
+            self.buffers.put_features(s.step, a.feats, (1,) * len(a.req_ids))
+        toks = [[t] for t in a.tokens]
+        return self._results(toks, [0] * len(toks), None, a.time_s, self._start_ahead(toks))
 
     def _decide_tokens(self, logits, nlog, drafts, probs_q, gamma):
         s = self.sched
@@ -174,14 +298,15 @@ class Verifier(Actor):
             return int(seeded_scores_of(m, probs, m.num_output).argmax())
         return int(sample_from(probs, [m.gen])[0])
 
-    def _results(self, toks, acc, drafted, verify_time):
+    def _results(self, toks, acc, drafted, verify_time, ran_ahead: bool = False):
         s = self.sched
         gamma = drafted.gamma if drafted else 0
         gammas = drafted.gammas if drafted else ()
         flat = [t for row in toks for t in row]
         per_pos = tuple(sum(1 for a in acc[: s.num_decode] if a > i) for i in range(gamma))
         verified = StepVerified(step=s.step, gamma=gamma, req_ids=s.req_ids, counts=tuple(map(len, toks)),
-                                tokens=tuple(flat), accepted=tuple(acc), num_decode=s.num_decode, gammas=gammas)
+                                tokens=tuple(flat), accepted=tuple(acc), num_decode=s.num_decode, gammas=gammas,
+                                ran_ahead=ran_ahead)
         drafted_pp = reached_pp = ()
         if gammas:                       # per-row γ: who drafted / reached each position
             drafted_pp = tuple(sum(1 for g in gammas if g > i) for i in range(gamma))

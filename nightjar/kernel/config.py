@@ -30,6 +30,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False            # CUDA: no CUDA graphs (models/cuda_graph.py); CPU is always eager
     inline_compute: bool = False           # forwards on the event loop's own thread (no thread hand-offs; the loop
                                            # serves no I/O while one runs): for one client, not a server
+    run_ahead: bool = True                 # with a compute thread: start the next γ = 0 decode step before this
+                                           # one commits (actors/verifier.py)
     planner_profile: str | None = None     # a `nightjar profile` JSON for the planner's step times, "auto" (this
                                            # machine's cached one, measured on first use) or None (the prior)
     trace: str | None = None               # record every bus envelope to this file

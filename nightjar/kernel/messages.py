@@ -91,6 +91,7 @@ class StepPlanned(Msg, frozen=True):
     step: int
     gamma: int
     gammas: tuple[int, ...] = ()
+    next_zero: bool = False          # the next step plans γ = 0 too (its batch may start before this one commits)
 
 
 class BlocksReserved(Msg, frozen=True):
@@ -100,6 +101,7 @@ class BlocksReserved(Msg, frozen=True):
     num_free: int
     num_total: int
     gammas: tuple[int, ...] = ()     # per decode row, capped like gamma (empty: batch-level, see StepPlanned)
+    next_zero: bool = False          # StepPlanned.next_zero, with a slot reserved for each decode row's next token
 
 
 class StepDrafted(Msg, frozen=True):
@@ -123,6 +125,7 @@ class StepVerified(Msg, frozen=True):
     accepted: tuple[int, ...]        # accepted drafts per row
     num_decode: int
     gammas: tuple[int, ...] = ()     # per decode row γ_i drafted (empty: batch-level)
+    ran_ahead: bool = False          # the verifier started the next step: its rows that go on, one token each
 
 
 class StepTimed(Msg, frozen=True):

@@ -16,6 +16,7 @@ memory is real, so there is no reserve.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,8 @@ class KVCache:
         self._base: torch.Tensor | None = None               # every block at its global id (``_refresh``)
         self._layers: list[torch.Tensor] = []                # per layer: ``_base[layer]`` (views made once)
         self._slots: list[torch.Tensor] = []                 # per layer: ``_base[layer]`` by slot (``_slot_view``)
+        self.lock = threading.Lock()     # held by a run-ahead step (actors/verifier.py) and a shrink's migration
+        self.generation = 0              # +1 whenever blocks move or go (a run-ahead planned before is void)
         if num_blocks > 0 and reserve_blocks > 0:
             self._store = torch.empty(self._shape(num_blocks + reserve_blocks), dtype=dtype, device=self.device)
         if num_blocks > 0:
@@ -119,8 +122,18 @@ class KVCache:
         if len(self.segments) <= 1:
             raise RuntimeError("the first KV segment cannot be dropped")
         n = self.segments.pop().num_blocks
+        self.generation += 1
         self._refresh()
         return n
+
+    def __getstate__(self) -> dict:          # copies (deepcopy in tests) get a lock of their own
+        state = self.__dict__.copy()
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
 
     def _slot_view(self, layer_data: torch.Tensor) -> torch.Tensor:
         """One layer's K and V by slot: [2, nkv, n*bs, d] head-major, [2, n*bs, nkv, d] block-major."""
@@ -236,6 +249,7 @@ class KVCache:
         launch of the Triton kernel (triton_kernels/block_migration.py); otherwise one gather and one
         scatter per group, whatever the number of blocks.
         """
+        self.generation += 1
         groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for src, dst in pairs:
             (si, s), (di, d) = self._locate(src), self._locate(dst)

@@ -130,3 +130,28 @@ def test_abort_of_a_row_in_flight_waits_for_the_step_to_finish():
     out = verify(b, s1, [[5]])
     (tc,) = only(out, TokensCommitted)
     assert tc.finish == (FinishReason.ABORT,) and tc.tokens == () and only(out, ReleaseBlocks)
+
+
+def test_after_a_run_ahead_the_next_step_is_its_decode_rows_and_a_new_request_waits_one_step():
+    """StepVerified.ran_ahead: the verifier already started the next step with the rows that go on; the batcher
+    schedules exactly that step (no prefill) and the prompt that arrived meanwhile goes in the one after."""
+    b = Batcher(num_blocks=100, block_size=4)
+    (s1,) = only(admit(b, 1, 5), StepScheduled)
+    (s2,) = only(verify(b, s1, [[99]]), StepScheduled)
+    admit(b, 2, 3)                                         # arrives while step 2 runs
+    b.handle(BlocksReserved(step=s2.step, gamma=0, block_tables=((0, 1),), num_free=b.num_free, num_total=100), 0.0)
+    out = b.handle(StepVerified(step=s2.step, gamma=0, req_ids=(1,), counts=(1,), tokens=(98,), accepted=(0,),
+                                num_decode=1, ran_ahead=True), 0.0)
+    (s3,) = only(out, StepScheduled)
+    assert s3.req_ids == (1,) and s3.chunk_ids == ((98,),) and s3.starts == (6,) and s3.num_waiting == 1
+    (s4,) = only(verify(b, s3, [[97]]), StepScheduled)
+    assert s4.req_ids == (1, 2) and s4.num_decode == 1
+
+
+def test_first_stop_is_the_batchers_rule():
+    from nightjar.actors.stops import first_stop
+
+    assert first_stop((5, 6, 7), 10, 2, 0, frozenset({6}), 100) == (2, FinishReason.STOP)
+    assert first_stop((5, 6, 7), 10, 0, 3, frozenset({6}), 100) == (3, FinishReason.NONE)   # min_tokens
+    assert first_stop((5, 6, 7), 10, 2, 0, frozenset(), 12) == (2, FinishReason.LENGTH)
+    assert first_stop((6,), 10, 2, 0, frozenset(), 11) == (1, FinishReason.LENGTH)

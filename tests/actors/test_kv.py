@@ -37,3 +37,14 @@ def test_commit_counts_and_release_free_everything():
     kv.handle(ReleaseBlocks(req_ids=(1,)), 0.0)
     alloc.check_integrity()
     assert alloc.num_free == 10
+
+
+def test_a_held_gamma_zero_reserves_each_decode_rows_next_slot_when_blocks_allow():
+    kv = KVPoolActor(BlockAllocator(10, 4))
+    kv.handle(step([(1, 7, (9,)), (2, 0, (1, 2, 3))], num_decode=1), 0.0)
+    (res,) = kv.handle(StepPlanned(step=1, gamma=0, next_zero=True), 0.0)
+    assert res.next_zero and len(res.block_tables[0]) == 3 and len(res.block_tables[1]) == 1   # 7+1+1 = 9 slots
+    tight = KVPoolActor(BlockAllocator(2, 4))
+    tight.handle(step([(1, 7, (9,))], num_decode=1), 0.0)
+    (res,) = tight.handle(StepPlanned(step=1, gamma=0, next_zero=True), 0.0)
+    assert not res.next_zero and len(res.block_tables[0]) == 2                                # 8 slots only

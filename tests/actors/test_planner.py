@@ -46,3 +46,29 @@ def test_prompts_prefilled_while_the_draft_is_away_are_not_charged_after_it_retu
     p.handle(DraftResidency(resident=False, state="OFFLOADED"), 0.0)
     p.handle(mixed, 0.0)
     assert p.pending == (0, 0)                     # offloaded: dropped, not saved for the first resident step
+
+
+def test_a_gamma_zero_that_the_policy_holds_stands_for_the_next_step():
+    """next_zero: the planner commits to γ = 0 for the next step (a run-ahead may have started it) and plans
+    0 then even if the policy would draft; a policy that explores (bandit) makes no such promise."""
+    from msgspec.structs import replace
+
+    from nightjar.kernel.messages import DraftResidency as Res
+
+    p = Planner("fixed:3", gamma_max=4, seed=0, has_draft=True)
+    assert not p.handle(sched(2), 0.0)[0].next_zero                # γ = 3: no promise
+    p.handle(Res(resident=False, state="OFFLOADED"), 0.0)
+    got = p.handle(sched(2), 0.0)[0]
+    assert got.gamma == 0 and got.next_zero                        # the draft is away: 0, held for step 2
+    p.handle(Res(resident=True, state="RESIDENT"), 0.0)
+    s2 = replace(sched(2), step=2)
+    got = p.handle(s2, 0.0)[0]
+    assert got.gamma == 0 and not got.next_zero and p.num_held == 1    # held; the policy's 3 comes next
+    assert p.handle(replace(sched(2), step=3), 0.0)[0].gamma == 3
+    off = Planner("off", gamma_max=4, seed=0, has_draft=False)
+    assert off.handle(sched(2), 0.0)[0].next_zero
+    bandit = Planner("banditspec", gamma_max=4, seed=0, has_draft=True)
+    bandit.handle(Res(resident=False, state="OFFLOADED"), 0.0)
+    assert bandit.handle(sched(2), 0.0)[0].next_zero                # no draft to run: 0 holds for any policy
+    bandit.handle(Res(resident=True, state="RESIDENT"), 0.0)
+    assert not any(bandit.handle(replace(sched(2), step=s), 0.0)[0].next_zero for s in range(3, 40))

@@ -94,7 +94,10 @@ def sched(step, num_decode):
 
 
 TABLE = "table:1-2:3,3-4:2,5-:0"
-KNOWN = [(1, 3), (2, 3), (3, 2), (4, 2), (5, 0), (8, 0), (1, 3)]      # (batch size, γ the table gives)
+# (batch size, γ planned, next_zero): the table's γ; a 0 it gives is held for the next step (a run-ahead may
+# start it), so the step after (8, 0) plans 0 and the table's 3 comes one step later
+KNOWN = [(1, 3, False), (2, 3, False), (3, 2, False), (4, 2, False), (5, 0, True), (8, 0, True), (1, 0, False),
+         (1, 3, False)]
 
 
 def hand_built(path, tamper_step=None):
@@ -109,10 +112,10 @@ def hand_built(path, tamper_step=None):
             return seq
         put("weights", DraftResidency(resident=True, state="RESIDENT"))
         tampered = None
-        for step, (b, gamma) in enumerate(KNOWN, start=1):
+        for step, (b, gamma, nz) in enumerate(KNOWN, start=1):
             put("batcher", sched(step, b))
             g = gamma + 1 if step == tamper_step else gamma
-            s = put("planner", StepPlanned(step=step, gamma=g))
+            s = put("planner", StepPlanned(step=step, gamma=g, next_zero=nz))
             tampered = s if step == tamper_step else tampered
             put("verifier", StepTimed(step=step, batch_size=b, gamma=g, step_time_s=0.01, tokens_emitted=b))
     return tampered
