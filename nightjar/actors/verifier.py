@@ -3,7 +3,7 @@ rejection sampling with a bonus token, and the step's measured timing. Rejected 
 back by counters (the batcher's num_computed); nothing is freed per rejected token.
 
 Run-ahead (on a compute thread, ``run_ahead``): after a greedy γ = 0 decode step whose planner holds γ = 0 for
-the next step (``BlocksReserved.next_zero``, each row's next slot reserved) and with no request waiting, the
+the next step (``BlocksReserved.next_zero``: decode rows only, nobody waiting, each row's next slot reserved), the
 verifier queues the next step's forward on its own thread before it returns this one: the rows that do not
 stop (``actors/stops.py``), each fed its new token. The forward runs while the event loop commits this step and
 schedules the next (``StepVerified.ran_ahead`` tells the batcher to schedule exactly those rows); when that step's
@@ -142,8 +142,8 @@ class Verifier(Actor):
     def _next_step(self, toks: list[list[int]]) -> RunAhead | None:
         """The next step's rows (those that go on, one token each) if it may start now, else None."""
         s, r = self.sched, self.reserved
-        if (self.executor is None or not r.next_zero or s.num_waiting or not s.num_decode
-                or s.num_decode != len(s.req_ids) or self.synthetic is not None):
+        if (self.executor is None or not r.next_zero or not s.num_decode or s.num_decode != len(s.req_ids)
+                or self.synthetic is not None):         # next_zero: the planner's promise (nobody waiting too)
             return None
         bs, ids, starts, chunks, tables = self.block_size, [], [], [], []
         for rid, start, row, table in zip(s.req_ids, s.starts, toks, r.block_tables):
