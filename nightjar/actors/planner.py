@@ -68,18 +68,16 @@ class Planner(Actor):
 
     def _plan(self, s: StepScheduled) -> StepPlanned:
         g = self._decide(s)
-        top = max(g, default=0) if isinstance(g, tuple) else g
-        held, self.zero_step = self.zero_step == s.step, -1
+        per_row = isinstance(g, tuple)
+        top = max(g, default=0) if per_row else g
+        held = self.zero_step == s.step
         holds = self.holds_zero or not self.resident or not any(s.speculate)
-        if top == 0 and holds and self._may_run_ahead(s):
-            self.zero_step = s.step + 1
+        nz = top == 0 and holds and self._may_run_ahead(s)
+        self.zero_step = s.step + 1 if nz else -1
         if held and top:
             self.num_held += 1
             return StepPlanned(step=s.step, gamma=0)
-        nz = self.zero_step > 0
-        if isinstance(g, tuple):
-            return StepPlanned(step=s.step, gamma=top, gammas=g if top else (), next_zero=nz)
-        return StepPlanned(step=s.step, gamma=g, next_zero=nz)
+        return StepPlanned(step=s.step, gamma=top, gammas=g if per_row and top else (), next_zero=nz)
 
     @staticmethod
     def _may_run_ahead(s: StepScheduled) -> bool:
