@@ -12,10 +12,16 @@ roofline (``a100``). Every policy sees the same requests
 and classes (same seed). Prints, per profile and N, the median over seeds (and min) of throughput and
 mean-E2E ratios of ``nightjar:per-request`` against batch-level ``nightjar`` and against the best fixed γ
 (best by median throughput), and the share of decode rows per γ_i.
+
+``--class-oracle`` adds a ceiling: every static split that gives each request class its own γ (class read from
+the simulator's draw, not learned; all (Γmax+1)^classes splits, the best by median throughput) against
+batch-level ``nightjar``. A learned per-request planner is not expected to beat it by much.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -48,6 +54,42 @@ def run_cell(prof: Profile, n: int, seed: int, mix: AcceptanceMix, policies) -> 
     return res
 
 
+@contextlib.contextmanager
+def class_split(mix: AcceptanceMix, seed: int, gammas: tuple[int, ...]):
+    """``nightjar:per-request`` with its decision replaced by a static γ per request class (gammas[c] for
+    class c, the class from the simulator's own draw for this seed): an oracle for the ceiling, never a policy."""
+    from nightjar.actors.policy_model import ModelNightjarPolicy
+    orig = ModelNightjarPolicy.decide_rows
+    drawn = AcceptanceMix(mix.classes, seed, 4)           # what SimExecutor draws (same seed, Γmax = 4)
+    split = {v: g for (_, v), g in zip(drawn.classes, gammas)}
+    mix = drawn
+
+    def decide_rows(self, b, state, req_ids, speculate, row_lags=None):
+        if not state.draft_resident or b <= 0:
+            return (0,) * b
+        return tuple(split[mix.vector_for(r)] if sp else 0 for r, sp in zip(req_ids, speculate))
+
+    ModelNightjarPolicy.decide_rows = decide_rows
+    try:
+        yield
+    finally:
+        ModelNightjarPolicy.decide_rows = orig
+
+
+def oracle_ratio(prof: Profile, n: int, seeds: int, mix: AcceptanceMix, batch: list[float]) -> tuple[str, list[float]]:
+    """The best static per-class split (by median throughput over seeds): its label and its ratios to batch."""
+    best = ("", [0.0])
+    for gs in itertools.product(range(5), repeat=len(mix.classes)):
+        thr = []
+        for s in range(seeds):
+            with class_split(mix, s, gs):
+                thr.append(run_cell(prof, n, s, mix, (PER_ROW,))[PER_ROW][0])
+        r = [x / y for x, y in zip(thr, batch)]
+        if statistics.median(r) > statistics.median(best[1]):
+            best = ("/".join(map(str, gs)), r)
+    return best
+
+
 def ratio_cell(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.3f})"
 
@@ -59,6 +101,7 @@ def main() -> int:
     p.add_argument("--n", default="1,4,16,64")
     p.add_argument("--mix", default="0.5:0.9;0.5:0.1", help="request classes W:R;W:R (see nightjar simulate)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--class-oracle", action="store_true", help="add the best static γ per request class (a ceiling)")
     a = p.parse_args()
     bad = [n for n in a.profiles.split(",") if n not in (*CPU_PROFILES, "a100")]
     if bad:
@@ -68,9 +111,10 @@ def main() -> int:
     rows = []
     print(f"mixed workload {a.mix} (synthetic per-request acceptance), closed loop, {a.seeds} seeds; "
           "ratios: median (min) over seeds\n")
+    oracle = " class oracle γ per class | thr oracle / nightjar |" if a.class_oracle else ""
     print("| profile | N | best fixed | thr per-req / nightjar | thr per-req / best fixed | thr nightjar / best fixed "
-          "| E2E per-req / nightjar | E2E per-req / best fixed | rows γ_i=0..4 (per-req) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| E2E per-req / nightjar | E2E per-req / best fixed | rows γ_i=0..4 (per-req) |" + oracle)
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if oracle else ""))
     for pname, prof in profiles(a.profiles.split(",")).items():
         for n in (int(x) for x in a.n.split(",")):
             cells = [run_cell(prof, n, s, mix, policies) for s in range(a.seeds)]
@@ -89,10 +133,15 @@ def main() -> int:
                  "batch_thr_vs_fixed": [x / y for x, y in zip(thr[BATCH], thr[best])],
                  "e2e_vs_batch": [x / y for x, y in zip(e2e[PER_ROW], e2e[BATCH])],
                  "e2e_vs_fixed": [x / y for x, y in zip(e2e[PER_ROW], e2e[best])], "row_gamma_pct": share}
+            extra = ""
+            if a.class_oracle:
+                split, r["oracle_vs_batch"] = oracle_ratio(prof, n, a.seeds, mix, thr[BATCH])
+                r["oracle_split"] = split
+                extra = f" {split} | {ratio_cell(r['oracle_vs_batch'])} |"
             rows.append(r)
             print(f"| {pname} | {n} | {best} | {ratio_cell(r['thr_vs_batch'])} | {ratio_cell(r['thr_vs_fixed'])} | "
                   f"{ratio_cell(r['batch_thr_vs_fixed'])} | {ratio_cell(r['e2e_vs_batch'])} | "
-                  f"{ratio_cell(r['e2e_vs_fixed'])} | {share} |", flush=True)
+                  f"{ratio_cell(r['e2e_vs_fixed'])} | {share} |" + extra, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

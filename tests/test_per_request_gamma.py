@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from pathlib import Path
 
 from nightjar.actors.step_profile import Profile
 from nightjar.kernel.messages import StepPlanned
@@ -100,9 +101,8 @@ def test_a_per_request_trace_replays_with_zero_divergence(make_engine, smol_toke
 
 
 def test_a_simulated_mixed_workload_records_per_row_gammas_that_replay_reproduces(tmp_path):
-    """Synthetic per-request acceptance (two classes) on the A100-13B roofline: the trace holds steps with
+    """Synthetic per-request acceptance (two classes) on the CPU profile: the trace holds steps with
     different γ_i, and replaying the control plane reproduces every StepPlanned exactly."""
-    from nightjar.actors.step_profile import roofline_profile
     from nightjar.kernel.trace import TraceReader
     from nightjar.offline.sim.executors import AcceptanceMix
     from nightjar.offline.sim.workload import make_workload
@@ -110,7 +110,8 @@ def test_a_simulated_mixed_workload_records_per_row_gammas_that_replay_reproduce
 
     path = tmp_path / "sim.njtrace"
     wl = make_workload("poisson:1", seed=0, num_requests=40, prompt_mean=64, output_mean=48, sigma=0.5, max_len=512)
-    r = simulate(roofline_profile("a100", "13b"), wl, "nightjar:per-request",
+    prof = Profile.load(str(Path(__file__).parent / "actors" / "data" / "profile_cpu_bf16.json"))
+    r = simulate(prof, wl, "nightjar:per-request",
                  SimConfig(gamma_max=4, closed_loop=16, max_model_len=512), AcceptanceMix.parse("0.5:0.9;0.5:0.1"),
                  trace=str(path))
     assert r.finished == 40 and len([k for k, n in r.extra["row_gamma"].items() if n]) >= 3

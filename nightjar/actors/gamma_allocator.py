@@ -6,7 +6,7 @@
   scale (its accepted drafts over what the shared rates expected where it drafted, shrunk to 1). A
   request that does not draft (γ_i = 0) forgets its counts slowly (``idle_decay`` per step), so it
   drifts back toward the shared rate and is re-tried. A new request starts at the shared rate.
-  (No context-length feature.)
+  Each request also keeps its realised tokens per step (EMA). (No context-length feature.)
 * ``allocate``: row i's k-th draft token is worth g_{i,k} = Π_{j≤k} ρ_{i,j} expected tokens. Tokens are
   taken in order of g (largest first; g is non-increasing in k, so each row's tokens come in order) and
   every prefix of that order, and every uniform γ_i = γ, is priced with the step-time model, whose cost
@@ -17,6 +17,12 @@
   judged by the whole layer it buys, not by its first token. Rows whose tokens at a depth are worth the
   same (e.g. requests with no history yet) move together, so with equal acceptance the candidates are
   exactly γ_i = γ for all i and the batch-level choice is the special case.
+* The tokens a candidate is expected to emit are counted in the closed loop's steady state when the rows'
+  arrival weights are given (``steady_tokens``: B·W / Σ_i w_i / E_i, w_i a row's realised tokens per
+  step, ``RequestAcceptance.weights_rows``): a request stays in the batch for L / E_i steps, so a deep
+  draft for a row that already runs fast buys less than Σ_i E_i says; it leaves sooner and the batch fills
+  with slow rows. Tokens are then taken in order of the drop in Σ_i w_i / E_i. With w_i = E_i the count is
+  Σ_i E_i; with equal weights and equal acceptance it is the batch-level choice again.
 
 Message convention (columnar): a step's per-row γ travels as ``gammas`` (one per decode row, 0 for rows
 that do not draft) next to ``gamma`` = max γ_i; an empty ``gammas`` means the batch-level form (every
@@ -24,7 +30,8 @@ speculating decode row drafts ``gamma``). ``row_gammas`` expands either form.
 """
 from __future__ import annotations
 
-__all__ = ["RequestAcceptance", "Allocation", "allocate", "row_gammas", "gamma_histogram", "layer_counts"]
+__all__ = ["RequestAcceptance", "Allocation", "allocate", "steady_tokens", "row_gammas", "gamma_histogram",
+           "layer_counts"]
 
 
 def row_gammas(gamma: int, gammas: tuple[int, ...], speculate: tuple[bool, ...], num_decode: int) -> tuple[int, ...]:
@@ -58,10 +65,16 @@ class RequestAcceptance:
         self.tau2 = 0.05                           # between-request variance of first-position rates (EMA)
         self.acc: dict[int, list[float]] = {}      # req_id → discounted accepted counts per position
         self.n: dict[int, list[float]] = {}        # req_id → discounted reached counts per position
+        self.rate: dict[int, float] = {}           # req_id → realised tokens per step (EMA, ``rate_decay``)
+        self.rate_decay = 0.8
 
     def observe(self, req_ids, gammas, accepted) -> None:
         """One verified step: row r drafted gammas[r] tokens and accepted accepted[r] of them."""
+        rate, rd = self.rate, self.rate_decay
         for rid, g, a in zip(req_ids, gammas, accepted):
+            t = 1.0 + a if g > 0 else 1.0
+            r = rate.get(rid)
+            rate[rid] = t if r is None else rd * r + (1.0 - rd) * t
             acc, n = self.acc.get(rid), self.n.get(rid)
             if acc is None:
                 acc = self.acc[rid] = [0.0] * self.g
@@ -105,6 +118,16 @@ class RequestAcceptance:
         """Drop requests not in ``live``."""
         for rid in [r for r in self.acc if r not in live]:
             del self.acc[rid], self.n[rid]
+        for rid in [r for r in self.rate if r not in live]:
+            del self.rate[rid]
+
+    def weights_rows(self, rids) -> list[float]:
+        """Each row's realised tokens per step (its arrival weight in ``steady_tokens``); a request with
+        none yet gets the mean of the others (1 when none has any)."""
+        rate = self.rate
+        known = [rate[r] for r in rids if r in rate]
+        dflt = sum(known) / len(known) if known else 1.0
+        return [rate.get(r, dflt) for r in rids]
 
     def gains(self, rid: int, shared: list[float], top: int) -> list[float]:
         """g_k = Π_{j≤k} ρ_{r,j} for k = 1..top (``shared``: the shared per-position rates).
@@ -152,7 +175,7 @@ class Allocation:
 
 
 def allocate(gains: list[list[float]], target: list[list[float]], draft: list[float], factor: list[float],
-             extra: float, row_extra: list[float] | None = None) -> Allocation:
+             extra: float, row_extra: list[float] | None = None, weights: list[float] | None = None) -> Allocation:
     """γ_i per row minimising predicted seconds per expected token.
 
     gains[i][k-1]: expected tokens row i's k-th draft token adds (empty list: the row may not draft).
@@ -161,15 +184,17 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     (the planner's level and per-(bucket, g) correction, optimistic). extra: seconds every drafting step
     pays (prompt prefill, spread catch-up); row_extra[i]: seconds row i pays when it drafts at all
     (its own generated-token catch-up, spread).
+
+    weights (optional): the rows' arrival weights w_i for the steady-state objective (see ``steady_tokens``);
+    the expected tokens of a candidate are then B·W / Σ_i w_i / E_i instead of Σ_i E_i.
     """
     B = len(gains)
     base0 = target[B][1]
     zero = factor[0] * base0 / B
-    order = []
-    for i, row in enumerate(gains):
-        for k, g in enumerate(row, 1):
-            order.append((-g, k, i))
-    order.sort()                                # largest gain first; ties: shallower, then lower row
+    order = _order(gains, weights)
+    inv, W = (None, 0.0) if weights is None else (list(weights), float(sum(weights)))
+    S = W                                       # Σ_i w_i / E_i so far (every E_i = 1)
+    e_row = [1.0] * B
     n = [0] * (len(factor) + 1)                 # n[k]: rows with γ_i ≥ k so far
     held = [0.0] * (len(factor) + 1)            # depth k's cost at n[k] rows: T(n,k+1) − T(n,k) + draft(n)
     layers = 0.0                                 # Σ_k held[k]
@@ -183,7 +208,13 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
         h = tc[k + 1] - tc[k] + draft[c]
         layers += h - held[k]
         held[k], n[k] = h, c
-        tokens -= ng
+        if inv is None:
+            tokens -= ng
+        else:
+            e0 = e_row[i]
+            e_row[i] = e1 = e0 + gains[i][k - 1]
+            S -= inv[i] * (1.0 / e0 - 1.0 / e1)
+            tokens = B * W / S if S > 0.0 else tokens
         if k == 1 and row_extra is not None:
             rx += row_extra[i]
         if k > deepest:
@@ -201,13 +232,45 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     for _, k, i in order[:best_m]:
         if k > out[i]:
             out[i] = k
-    u, us = _best_uniform(gains, target, draft, factor, extra, row_extra)
+    u, us = _best_uniform(gains, target, draft, factor, extra, row_extra, weights)
     if us < best:                               # γ_i = γ on every drafting row beats the greedy prefixes
         return Allocation(u, us, zero, min(best_on, us))
     return Allocation(tuple(out), best, zero, min(best_on, us))
 
 
-def _best_uniform(gains, target, draft, factor, extra, row_extra) -> tuple[tuple[int, ...], float]:
+def _order(gains, weights) -> list[tuple[float, int, int]]:
+    """Every (−value, depth k, row i) of a draft token, most valuable first (ties: shallower, then lower row).
+    Value: g_{i,k} expected tokens, or with weights w_i·(1/E_{i,k−1} − 1/E_{i,k}), the drop in Σ_i w_i/E_i
+    (also non-increasing in k, so each row's tokens still come in order)."""
+    order = []
+    for i, row in enumerate(gains):
+        e, w = 1.0, (1.0 if weights is None else weights[i])
+        for k, g in enumerate(row, 1):
+            if weights is None:
+                order.append((-g, k, i))
+            else:
+                order.append((-w * g / (e * (e + g)), k, i))
+            e += g
+    order.sort()
+    return order
+
+
+def steady_tokens(gains, gammas, weights) -> float:
+    """Expected tokens per step of an allocation in the closed loop's steady state: B·W / Σ_i w_i / E_i(γ_i).
+
+    A request of class c needs L / E_c steps, so it stays in the batch in proportion to 1/E_c: what the
+    loop emits per step is the w-weighted harmonic mean of the rows' E_i, w the classes' arrival weights. A
+    row's arrival weight is estimated by its realised tokens per step (present rows of class c number
+    ∝ p_c / r_c). With w_i = E_i this is Σ_i E_i; deeper drafts for rows that already run fast are worth
+    less than the arithmetic sum says (they leave sooner, and the batch fills with slow rows)."""
+    B = len(gains)
+    S = 0.0
+    for row, g, w in zip(gains, gammas, weights):
+        S += w / (1.0 + sum(row[:g]))
+    return B * sum(weights) / S if S > 0.0 else float(B)
+
+
+def _best_uniform(gains, target, draft, factor, extra, row_extra, weights=None) -> tuple[tuple[int, ...], float]:
     """The batch-level candidates: every row that may draft gets the same γ ≥ 1; (γ_i, score) of the best."""
     B = len(gains)
     rows = [i for i, g in enumerate(gains) if g]
@@ -220,7 +283,10 @@ def _best_uniform(gains, target, draft, factor, extra, row_extra) -> tuple[tuple
     best, best_g = float("inf"), 0
     for k in range(1, top + 1):
         layers += tn[k + 1] - tn[k] + draft[nr]
-        tokens += sum(gains[i][k - 1] for i in rows)
+        if weights is None:
+            tokens += sum(gains[i][k - 1] for i in rows)
+        else:
+            tokens = steady_tokens(gains, [k if g else 0 for g in gains], weights)
         s = (factor[k] * (target[B][1] + layers) + extra + rx) / tokens
         if s < best:
             best, best_g = s, k

@@ -31,7 +31,8 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
   ``catchup_time_s`` (seeded from the profile).
 * **Per-row γ_i** (``nightjar:per-request``, ``decide_rows``): the same T̂ pieces price a mixed step
   (``mixed_base``: draft pass k over the rows with γ_i ≥ k) and ``gamma_allocator.allocate`` hands out
-  γ_i from per-request acceptance (shrunk toward the shared optimistic rates). Not drafting at all is
+  γ_i from per-request acceptance (shrunk toward the shared optimistic rates), counting expected tokens
+  in the closed loop's steady state (rows weighted by their realised tokens per step). Not drafting at all is
   priced without optimism (its arm is rarely played when some row drafts); switching on or off needs a
   ``hysteresis`` margin; the memory term still credits γ=0.
 * **Memory** (``elastic_memory`` only): when requests wait and the pool cannot take one more, γ=0 is
@@ -502,7 +503,8 @@ class ModelNightjarPolicy(Policy):
         f = self._draft_factor()
         if f != 1.0:
             dt = [x * f for x in dt]
-        alloc = allocate(gains, tt, dt, factor, extra, row_extra)
+        weights = ra.weights_rows(req_ids)      # arrival weights: the closed loop's steady state (allocator)
+        alloc = allocate(gains, tt, dt, factor, extra, row_extra, weights)
         out = alloc.gammas
         zero = alloc.zero_score
         if self.kv_cost and self.elastic_memory:
@@ -512,15 +514,15 @@ class ModelNightjarPolicy(Policy):
             if not alloc.score < (1.0 - h) * zero:
                 out = (0,) * b
         elif state.prev_gamma > 0 and not zero < (1.0 - self.hyst) * alloc.best_on_score:
-            out = self._keep_on(gains, tt, dt, factor, extra, row_extra)
+            out = self._keep_on(gains, tt, dt, factor, extra, row_extra, weights)
         self._cur[c] = max(out, default=0)
         self.decisions += 1
         self.row_decisions += 1
         return out
 
-    def _keep_on(self, gains, tt, dt, factor, extra, row_extra) -> tuple[int, ...]:
+    def _keep_on(self, gains, tt, dt, factor, extra, row_extra, weights=None) -> tuple[int, ...]:
         """Hysteresis on turning speculation off: the best allocation that drafts at least one token."""
-        best = allocate(gains, tt, dt, [math.inf] + factor[1:], extra, row_extra)
+        best = allocate(gains, tt, dt, [math.inf] + factor[1:], extra, row_extra, weights)
         return best.gammas
 
     def _row_extras(self, state: PlannerState, row_lags) -> tuple[float, list[float] | None]:
