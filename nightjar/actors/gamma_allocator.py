@@ -192,6 +192,8 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     base0 = target[B][1]
     zero = factor[0] * base0 / B
     order = _order(gains, weights)
+    if weights is not None and len(weights) != B:
+        raise ValueError(f"{len(weights)} weights for {B} rows")
     inv, W = (None, 0.0) if weights is None else (list(weights), float(sum(weights)))
     S = W                                       # Σ_i w_i / E_i so far (every E_i = 1)
     e_row = [1.0] * B

@@ -503,7 +503,7 @@ class ModelNightjarPolicy(Policy):
         f = self._draft_factor()
         if f != 1.0:
             dt = [x * f for x in dt]
-        weights = ra.weights_rows(req_ids)      # arrival weights: the closed loop's steady state (allocator)
+        weights = ra.weights_rows(req_ids[:b])  # arrival weights of the decode rows: the loop's steady state
         alloc = allocate(gains, tt, dt, factor, extra, row_extra, weights)
         out = alloc.gammas
         zero = alloc.zero_score

@@ -145,6 +145,18 @@ def test_with_arrival_weights_rows_that_already_run_fast_draft_less_deep_than_th
     assert set(steady.gammas[0::2]) == {2} and set(steady.gammas[1::2]) == {0}
 
 
+def test_the_policy_weighs_only_the_decode_rows_and_the_allocator_refuses_a_weight_per_other_row():
+    """The planner hands over every scheduled row's id (prefill rows after the decode rows): a first version
+    summed the prefill rows' weights too, and the steady count drifted from the true one."""
+    pol = make_policy("nightjar:per-request", gamma_max=G, profile=CPU)
+    pol.observe_rows((1, 2, 3), (G, G, G), (G, 0, G))
+    got = pol.decide_rows(2, state(), (1, 2, 3), (True, True))
+    assert len(got) == 2
+    tt, dt = tables(CPU, 2)
+    with pytest.raises(ValueError, match="3 weights for 2 rows"):
+        allocate([gains_of(0.9)] * 2, tt, dt, [1.0] * (G + 1), 0.0, weights=[1.0, 1.0, 1.0])
+
+
 def test_the_realised_rate_of_each_request_is_an_ema_and_new_rows_get_the_mean():
     ra = RequestAcceptance(G)
     ra.observe((1, 2), (4, 0), (4, 0))                     # first step: 5 tokens and 1 token
