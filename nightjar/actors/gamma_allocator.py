@@ -7,6 +7,10 @@
   request that does not draft (γ_i = 0) forgets its counts slowly (``idle_decay`` per step), so it
   drifts back toward the shared rate and is re-tried. A new request starts at the shared rate.
   Each request also keeps its realised tokens per step (EMA). (No context-length feature.)
+  With ``class_prior`` (the default) the first-position rate is instead read against a prior learned from
+  the population (``pi`` on ``GRID``, one EM step per verified step): its posterior mean is position 1's
+  rate and its ratio to the shared rate is the scale. A mix of request classes gives ``pi`` one mode per
+  class, so a few drafts place a request in its class instead of pulling it toward the shared rate.
 * ``allocate``: row i's k-th draft token is worth g_{i,k} = Π_{j≤k} ρ_{i,j} expected tokens. Tokens are
   taken in order of g (largest first; g is non-increasing in k, so each row's tokens come in order) and
   every prefix of that order, and every uniform γ_i = γ, is priced with the step-time model, whose cost
@@ -30,7 +34,14 @@ speculating decode row drafts ``gamma``). ``row_gammas`` expands either form.
 """
 from __future__ import annotations
 
-__all__ = ["RequestAcceptance", "Allocation", "allocate", "steady_tokens", "row_gammas", "gamma_histogram",
+import math
+
+GRID = tuple(0.05 + 0.1 * k for k in range(10))     # first-position rates the class prior lives on
+CLASS_ROWS = 16                                      # rows per EM step of the class prior (a stride sample)
+_LOG_G = tuple(math.log(g) for g in GRID)
+_LOG_Q = tuple(math.log(1.0 - g) for g in GRID)
+
+__all__ = ["GRID", "RequestAcceptance", "Allocation", "allocate", "steady_tokens", "row_gammas", "gamma_histogram",
            "layer_counts"]
 
 
@@ -59,7 +70,7 @@ class RequestAcceptance:
     """Per-request discounted acceptance counts per draft position, shrunk toward a shared estimate."""
 
     def __init__(self, gamma_max: int, decay: float = 0.9, prior_weight: float = 2.0,
-                 idle_decay: float = 0.97) -> None:
+                 idle_decay: float = 0.97, class_prior: bool = True) -> None:
         self.g, self.decay, self.w, self.idle = gamma_max, decay, prior_weight, idle_decay
         self.w_min = prior_weight
         self.tau2 = 0.05                           # between-request variance of first-position rates (EMA)
@@ -67,6 +78,10 @@ class RequestAcceptance:
         self.n: dict[int, list[float]] = {}        # req_id → discounted reached counts per position
         self.rate: dict[int, float] = {}           # req_id → realised tokens per step (EMA, ``rate_decay``)
         self.rate_decay = 0.8
+        self.class_prior = class_prior
+        self.pi = [1.0 / len(GRID)] * len(GRID)    # population prior of first-position rates (on GRID)
+        self._log_pi = [math.log(x) for x in self.pi]
+        self.rho1: dict[int, float] = {}           # req_id → posterior mean first-position rate under pi
 
     def observe(self, req_ids, gammas, accepted) -> None:
         """One verified step: row r drafted gammas[r] tokens and accepted accepted[r] of them."""
@@ -105,6 +120,8 @@ class RequestAcceptance:
                 p = acc_of[rid][0] / n[0]
                 rs.append(p)
                 noise += 1.0 / n[0]
+        if self.class_prior:
+            self._class_posteriors(req_ids)
         k = len(rs)
         if k < 4:
             return
@@ -114,12 +131,44 @@ class RequestAcceptance:
         self.tau2 += 0.1 * (tau2 - self.tau2)
         self.w = min(200.0, max(self.w_min, m * (1.0 - m) / self.tau2))
 
+    def _class_posteriors(self, req_ids) -> None:
+        """A nonparametric prior for the first-position rate: pi on GRID, one EM step per verified step from
+        the posteriors of up to ``CLASS_ROWS`` rows with at least two drafts (a stride sample); each row's
+        posterior mean under pi is kept (``rho1``). With a mix of classes pi has a mode per class, so a few
+        drafts put a request in its class, where a one-hump prior centred on the shared rate would pull it
+        toward the middle; with one class pi concentrates there and shrinks chance differences away."""
+        lp = self._log_pi
+        acc_of, n_of, rho1 = self.acc, self.n, self.rho1
+        exp, grid = math.exp, GRID
+        em = []
+        for rid in req_ids:
+            n = n_of.get(rid)
+            if n is None or n[0] <= 0.0:
+                continue
+            a0, n0 = acc_of[rid][0], n[0]
+            b0 = n0 - a0
+            # log-likelihoods are bounded (n0 ≤ 1/(1 − decay)), so no max-shift is needed before exp
+            post = [exp(lpk + a0 * lg + b0 * lq) for lpk, lg, lq in zip(lp, _LOG_G, _LOG_Q)]
+            z = sum(post)
+            rho1[rid] = sum(q * g for q, g in zip(post, grid)) / z
+            if n0 >= 2.0:
+                em.append((post, z))
+        if em:
+            k = -(-len(em) // CLASS_ROWS)
+            em = em[::k]
+            pi, eta = self.pi, 0.05 / len(em)
+            for j in range(len(pi)):
+                pi[j] = 0.95 * pi[j] + eta * sum(post[j] / z for post, z in em)
+            self._log_pi = [math.log(x if x > 1e-300 else 1e-300) for x in pi]
+
     def forget(self, live) -> None:
         """Drop requests not in ``live``."""
         for rid in [r for r in self.acc if r not in live]:
             del self.acc[rid], self.n[rid]
         for rid in [r for r in self.rate if r not in live]:
             del self.rate[rid]
+        for rid in [r for r in self.rho1 if r not in live]:
+            del self.rho1[rid]
 
     def weights_rows(self, rids) -> list[float]:
         """Each row's realised tokens per step (its arrival weight in ``steady_tokens``); a request with
@@ -147,20 +196,31 @@ class RequestAcceptance:
         acc_of, out = self.acc, []
         for rid, sp in zip(rids, speculate):
             acc = acc_of.get(rid) if sp else None
-            out.append(([] if not sp else fresh) if acc is None else self._own(acc, self.n[rid], shared, top))
+            out.append(([] if not sp else fresh) if acc is None else
+                       self._own(acc, self.n[rid], shared, top, self.rho1.get(rid)))
         return out
 
-    def _own(self, acc: list[float], n: list[float], shared: list[float], top: int) -> list[float]:
-        """One tracked request's g_k = Π_{j≤k} ρ_{r,j}, k = 1..top (see ``gains``)."""
+    def _own(self, acc: list[float], n: list[float], shared: list[float], top: int,
+             rho1: float | None = None) -> list[float]:
+        """One tracked request's g_k = Π_{j≤k} ρ_{r,j}, k = 1..top (see ``gains``). With the class prior
+        (``rho1``: the posterior mean under pi) position 1 is that mean and the scale is its ratio to the
+        shared rate."""
         w = self.w
-        e_sum = 0.0
-        for i in range(self.g):
-            e_sum += n[i] * shared[i]
-        scale = (sum(acc) + w) / (e_sum + w)
+        if rho1 is not None and shared[0] > 0.0:
+            scale = rho1 / shared[0]
+        else:
+            e_sum = 0.0
+            for i in range(self.g):
+                e_sum += n[i] * shared[i]
+            scale = (sum(acc) + w) / (e_sum + w)
+            rho1 = None
         row, p = [], 1.0
         for i in range(top):
-            r = shared[i] * scale
-            p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
+            if i == 0 and rho1 is not None:
+                p *= rho1
+            else:
+                r = shared[i] * scale
+                p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
             row.append(p)
         return row
 
