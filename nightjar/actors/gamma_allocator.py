@@ -15,12 +15,13 @@
   taken in order of g (largest first; g is non-increasing in k, so each row's tokens come in order) and
   every prefix of that order, and every uniform γ_i = γ, is priced with the step-time model, whose cost
   depends on the tokens verified and on the draft passes (pass k runs the n_k rows with γ_i ≥ k):
-      base = target(B, 1) + Σ_k [target(n_k, k+1) − target(n_k, k) + draft(n_k)]
-  (for γ_i = γ on every row this is the batch-level base(B, γ) exactly). The candidate with the fewest
-  seconds per expected token wins: tokens are added while they pay, and a draft pass's fixed cost is
-  judged by the whole layer it buys, not by its first token. Rows whose tokens at a depth are worth the
-  same (e.g. requests with no history yet) move together, so with equal acceptance the candidates are
-  exactly γ_i = γ for all i and the batch-level choice is the special case.
+      base = target(B, 1 + Σ_i γ_i / B) + Σ_k draft(n_k)
+  (target(B, q̄) linear between integer q, ``verify_by_tokens``: a ragged verify costs what the same tokens
+  in uniform rows cost, measured; for γ_i = γ on every row this is the batch-level base(B, γ) exactly).
+  The candidate with the fewest seconds per expected token wins: tokens are added while they pay, and a
+  draft pass's fixed cost is judged by the whole layer it buys, not by its first token. Rows whose tokens
+  at a depth are worth the same (e.g. requests with no history yet) move together, so with equal
+  acceptance the candidates are exactly γ_i = γ for all i and the batch-level choice is the special case.
 * The tokens a candidate is expected to emit are counted in the closed loop's steady state when the rows'
   arrival weights are given (``steady_tokens``: B·W / Σ_i w_i / E_i, w_i a row's realised tokens per
   step, ``RequestAcceptance.weights_rows``): a request stays in the batch for L / E_i steps, so a deep
@@ -41,8 +42,22 @@ CLASS_ROWS = 16                                      # rows per EM step of the c
 _LOG_G = tuple(math.log(g) for g in GRID)
 _LOG_Q = tuple(math.log(1.0 - g) for g in GRID)
 
-__all__ = ["GRID", "RequestAcceptance", "Allocation", "allocate", "steady_tokens", "row_gammas", "gamma_histogram",
-           "layer_counts"]
+__all__ = ["GRID", "RequestAcceptance", "Allocation", "allocate", "steady_tokens", "verify_by_tokens", "row_gammas",
+           "gamma_histogram", "layer_counts"]
+
+
+def verify_by_tokens(row: list[float], batch: int, drafted: int) -> float:
+    """The target forward of ``batch`` decode rows verifying ``drafted`` draft tokens in all, however they are
+    spread over the rows: T(B, q̄) from the uniform row ``row`` (row[q] = T(B, q)), q̄ = 1 + drafted / B,
+    linear between integer q. Measured on this engine (bench/mixed_steps.py, docs/planner.md): a ragged
+    verify costs what the same tokens in uniform rows cost (0.995–1.10×), not the sum of per-depth layers."""
+    if drafted <= 0:
+        return row[1]
+    q = 1.0 + drafted / batch
+    lo = int(q)
+    if lo + 1 >= len(row):
+        return row[-1] + (q - (len(row) - 1)) * (row[-1] - row[-2])
+    return row[lo] + (q - lo) * (row[lo + 1] - row[lo])
 
 
 def row_gammas(gamma: int, gammas: tuple[int, ...], speculate: tuple[bool, ...], num_decode: int) -> tuple[int, ...]:
@@ -258,18 +273,17 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     S = W                                       # Σ_i w_i / E_i so far (every E_i = 1)
     e_row = [1.0] * B
     n = [0] * (len(factor) + 1)                 # n[k]: rows with γ_i ≥ k so far
-    held = [0.0] * (len(factor) + 1)            # depth k's cost at n[k] rows: T(n,k+1) − T(n,k) + draft(n)
-    layers = 0.0                                 # Σ_k held[k]
+    tb = target[B]
+    drafted, passes = 0, 0.0                    # draft tokens so far; Σ_k draft(n_k)
     tokens, rx, deepest = float(B), 0.0, 0
     best, best_m, best_on = zero, 0, float("inf")
     last = len(order)
     for m in range(last):
         ng, k, i = order[m]
         c = n[k] + 1
-        tc = target[c]
-        h = tc[k + 1] - tc[k] + draft[c]
-        layers += h - held[k]
-        held[k], n[k] = h, c
+        passes += draft[c] - draft[c - 1]
+        n[k] = c
+        drafted += 1
         if inv is None:
             tokens -= ng
         else:
@@ -285,7 +299,7 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
             nxt = order[m + 1]
             if nxt[1] == k and nxt[0] <= ng * (1.0 - 1e-9):
                 continue                        # rows tied with this one at this depth move together
-        s = (factor[deepest] * (base0 + layers) + extra + rx) / tokens
+        s = (factor[deepest] * (verify_by_tokens(tb, B, drafted) + passes) + extra + rx) / tokens
         if s < best_on:
             best_on = s
         if s < best:
@@ -341,15 +355,14 @@ def _best_uniform(gains, target, draft, factor, extra, row_extra, weights=None) 
         return (0,) * B, float("inf")
     top = min(len(gains[i]) for i in rows)
     rx = sum(row_extra[i] for i in rows) if row_extra is not None else 0.0
-    tn, layers, tokens = target[nr], 0.0, float(B)
+    tb, tokens = target[B], float(B)
     best, best_g = float("inf"), 0
     for k in range(1, top + 1):
-        layers += tn[k + 1] - tn[k] + draft[nr]
         if weights is None:
             tokens += sum(gains[i][k - 1] for i in rows)
         else:
             tokens = steady_tokens(gains, [k if g else 0 for g in gains], weights)
-        s = (factor[k] * (target[B][1] + layers) + extra + rx) / tokens
+        s = (factor[k] * (verify_by_tokens(tb, B, k * nr) + k * draft[nr]) + extra + rx) / tokens
         if s < best:
             best, best_g = s, k
     out = [0] * B

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from nightjar.actors.gamma_allocator import RequestAcceptance, allocate
+from nightjar.actors.gamma_allocator import RequestAcceptance, allocate, verify_by_tokens
 from nightjar.actors.policies import (
     PlannerState,
     Policy,
@@ -476,10 +476,11 @@ class ModelNightjarPolicy(Policy):
     def mixed_base(self, b: int, drafted_per_pos) -> float:
         """base of a step with B rows whose draft pass k ran drafted_per_pos[k-1] rows (see gamma_allocator)."""
         tt, dt = self._tables(b)
-        out = tt[b][1]
-        for k, n in enumerate(drafted_per_pos, 1):
+        out = verify_by_tokens(tt[b], b, sum(drafted_per_pos))
+        f = self._draft_factor()
+        for n in drafted_per_pos:
             if n > 0:
-                out += tt[n][k + 1] - tt[n][k] + dt[n] * self._draft_factor()
+                out += dt[n] * f
         return max(out, 1e-9)
 
     def decide_rows(self, batch_size: int, state: PlannerState, req_ids, speculate, row_lags=None) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from nightjar.actors.gamma_allocator import (
     layer_counts,
     row_gammas,
     steady_tokens,
+    verify_by_tokens,
 )
 from nightjar.actors.kv import KVPoolActor
 from nightjar.actors.planner import Planner
@@ -58,13 +59,15 @@ def batch_best(prof, b: int, rate: float) -> int:
 
 
 # ---- the allocator ------------------------------------------------------------------------------
-@pytest.mark.parametrize("prof,b", [(CPU, 2), (CPU, 8), (CPU, 16), (CPU, 32), (CPU, 64), (A100, 64)],
-                         ids=["cpu-2", "cpu-8", "cpu-16", "cpu-32", "cpu-64", "a100-13b-64"])
-def test_two_request_classes_draft_deep_for_the_predictable_one_and_not_at_all_for_the_other(prof, b):
+@pytest.mark.parametrize("prof,b,deep", [(CPU, 8, 3), (CPU, 16, 3), (CPU, 32, 3), (CPU, 64, 3), (A100, 64, 2)],
+                         ids=["cpu-8", "cpu-16", "cpu-32", "cpu-64", "a100-13b-64"])
+def test_two_request_classes_draft_deep_for_the_predictable_one_and_not_at_all_for_the_other(prof, b, deep):
+    """(At B = 2 on the CPU profile ten verified tokens cost about what two do: there the weak row rides
+    along, as on the A100 roofline below its knee.)"""
     gains = [gains_of(0.9 if i % 2 == 0 else 0.1) for i in range(b)]
     tt, dt = tables(prof, b)
     out = allocate(gains, tt, dt, [1.0] * (G + 1), 0.0).gammas
-    assert all(g >= 3 for g in out[0::2]), out              # acceptance 0.9: deep
+    assert all(g >= deep for g in out[0::2]), out           # acceptance 0.9: deep
     assert all(g == 0 for g in out[1::2]), out              # acceptance 0.1: none
 
 
@@ -107,16 +110,18 @@ def test_steady_tokens_weight_rows_by_arrival_and_reduce_to_the_plain_sum_at_the
 
 
 def _step_cost(tt, dt, gam):
-    c = tt[len(gam)][1]
-    for k, n in enumerate(layer_counts(gam, G), 1):
-        c += tt[n][k + 1] - tt[n][k] + dt[n]
-    return c
+    """A mixed step's model cost from scratch: the target at the batch's mean tokens per row, plus the passes."""
+    B = len(gam)
+    q = 1.0 + sum(gam) / B
+    lo = int(q)
+    c = tt[B][lo] if lo == q else tt[B][lo] + (q - lo) * (tt[B][lo + 1] - tt[B][lo])
+    return c + sum(dt[n] for n in layer_counts(gam, G))
 
 
 @pytest.mark.parametrize("prof", [CPU, A100], ids=["cpu", "a100-13b"])
 @pytest.mark.parametrize("steady", [False, True], ids=["arithmetic", "steady"])
 def test_the_greedy_allocation_is_near_the_exhaustive_optimum_on_small_batches(prof, steady):
-    """Every γ vector of 2-4 rows (5^B) priced exactly: the greedy prefixes (and uniform γ) land within 7 % of
+    """Every γ vector of 2-4 rows (5^B) priced exactly: the greedy prefixes (and uniform γ) land within 4 % of
     the best over 25 random batches (a draft pass's cost makes the objective non-separable)."""
     import itertools
     rng, worst = random.Random(7), 1.0
@@ -130,20 +135,20 @@ def test_the_greedy_allocation_is_near_the_exhaustive_optimum_on_small_batches(p
             sum(r[:k]) for r, k in zip(gains, g))) for g in itertools.product(range(G + 1), repeat=b))
         assert best * (1 - 1e-9) <= got, (got, best)
         worst = max(worst, got / best)
-    assert worst <= 1.07          # measured: 1.061 (plain sum) and 1.028 (steady) on the CPU profile, 1.000 on A100
+    assert worst <= 1.04          # measured: 1.010 (plain sum) and 1.023 (steady) on the CPU profile, 1.000 on A100
 
 
 def test_with_arrival_weights_rows_that_already_run_fast_draft_less_deep_than_the_plain_sum_says():
     """Two classes (synthetic 0.9 / 0.1) on the CPU profile, B = 16: the plain sum drafts 4 for the strong
-    rows; weighted by their realised tokens per step (strong ~3, weak 1) they stay fast rows at γ = 2 and the
-    weak rows still draft nothing (the best static split in the simulator was 2 / 0, docs/planner.md)."""
+    rows; weighted by their realised tokens per step (strong ~3, weak 1) they draft 3 and the weak rows
+    still draft nothing (the best static split in the simulator was 3 / 0 there, docs/planner.md)."""
     b = 16
     gains = [gains_of(0.9 if i % 2 == 0 else 0.1) for i in range(b)]
     tt, dt = tables(CPU, b)
     plain = allocate(gains, tt, dt, [1.0] * (G + 1), 0.0).gammas
     steady = allocate(gains, tt, dt, [1.0] * (G + 1), 0.0, weights=[3.0 if i % 2 == 0 else 1.0 for i in range(b)])
     assert set(plain[0::2]) == {4} and set(plain[1::2]) == {0}
-    assert set(steady.gammas[0::2]) == {2} and set(steady.gammas[1::2]) == {0}
+    assert set(steady.gammas[0::2]) == {3} and set(steady.gammas[1::2]) == {0}
 
 
 def test_the_policy_weighs_only_the_decode_rows_and_the_allocator_refuses_a_weight_per_other_row():
@@ -174,6 +179,15 @@ def test_rows_that_may_not_draft_get_zero_and_a_fixed_cost_per_step_can_turn_dra
     out = allocate([gains_of(0.9), [], gains_of(0.9), []], tt, dt, [1.0] * (G + 1), 0.0).gammas
     assert out[1] == out[3] == 0 and out[0] > 0
     assert allocate([gains_of(0.9)] * 4, tt, dt, [1.0] * (G + 1), 10.0).gammas == (0,) * 4
+
+
+def test_a_mixed_verify_is_priced_by_its_tokens_as_uniform_rows():
+    row = [0.0, 10.0, 12.0, 15.0, 19.0, 24.0]              # T(B, q) for q = 1..5 at one B
+    assert verify_by_tokens(row, 4, 0) == 10.0
+    assert [verify_by_tokens(row, 4, 4 * g) for g in range(5)] == row[1:]      # γ_i = γ on every row: T(B, γ+1)
+    assert verify_by_tokens(row, 4, 2) == pytest.approx(11.0)                  # q̄ = 1.5
+    assert verify_by_tokens(row, 4, 7) == pytest.approx(12.0 + 0.75 * 3.0)     # q̄ = 2.75
+    assert verify_by_tokens(row[:5], 4, 16) == pytest.approx(23.0)             # past the table: the last slope
 
 
 def test_the_message_helpers_expand_both_forms():
@@ -211,7 +225,7 @@ def state(prev=1):
     return PlannerState(True, 0, prev, lag_tokens=0)
 
 
-@pytest.mark.parametrize("prof,b", [(CPU, 8), (CPU, 16)], ids=["cpu-8", "cpu-16"])
+@pytest.mark.parametrize("prof,b", [(CPU, 16), (CPU, 32)], ids=["cpu-16", "cpu-32"])
 def test_the_per_request_policy_learns_two_classes_online_and_splits_them(prof, b):
     """Synthetic acceptance: the first half of the rows accept each draft with 0.9, the rest with 0.1."""
     pol = make_policy("nightjar:per-request", gamma_max=G, profile=prof)

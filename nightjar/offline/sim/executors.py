@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from nightjar.actors.gamma_allocator import gamma_histogram, layer_counts, row_gammas
+from nightjar.actors.gamma_allocator import gamma_histogram, layer_counts, row_gammas, verify_by_tokens
 from nightjar.actors.step_profile import Profile
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -110,7 +110,7 @@ class SimExecutor:
         if n_spec == nd:
             verify = T[nd][q]
         else:                               # one forward: the non-drafting rows feed 1 token each
-            verify = T[nd][1] + T[n_spec][q] - T[n_spec][1]
+            verify = verify_by_tokens(T[nd], nd, n_spec * (q - 1))
         verify += p.kv_s_per_ctx_token * ctx + p.prefill_s_per_token * n_pre
         if nd == 0 and n_pre:
             verify += self.T[1][1]          # a prefill-only step still pays one forward's fixed cost
@@ -128,7 +128,7 @@ class SimExecutor:
 
     def _step_rows(self, s: StepScheduled, g: int, gammas: tuple[int, ...]):
         """A step with per-row γ_i and/or per-request acceptance: draft pass k runs the n_k rows with
-        γ_i ≥ k; the verify forward costs T(B, 1) + Σ_k [T(n_k, k+1) − T(n_k, k)] (the batch-level
+        γ_i ≥ k; the verify forward costs T(B, 1 + Σ_i γ_i / B) (``verify_by_tokens``; the batch-level
         T(B, γ+1) when every row drafts γ)."""
         nd, p, rnd = s.num_decode, self.p, self.rng.random
         gam = row_gammas(g, gammas, s.speculate, nd)
@@ -157,7 +157,7 @@ class SimExecutor:
             accepted.append(0)
         T, Td = self.T, self.Td
         layers = layer_counts(gam, g)
-        verify = T[nd][1] + sum(T[n][k + 1] - T[n][k] for k, n in enumerate(layers, 1))
+        verify = verify_by_tokens(T[nd], nd, sum(layers)) if nd else 0.0
         draft = sum(Td[n] for n in layers)
         ctx = sum(s.starts) if p.kv_s_per_ctx_token else 0
         verify += p.kv_s_per_ctx_token * ctx + p.prefill_s_per_token * n_pre
