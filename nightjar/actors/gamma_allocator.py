@@ -7,10 +7,12 @@
   request that does not draft (γ_i = 0) forgets its counts slowly (``idle_decay`` per step), so it
   drifts back toward the shared rate and is re-tried. A new request starts at the shared rate.
   Each request also keeps its realised tokens per step (EMA). (No context-length feature.)
-  With ``class_prior`` (the default) the first-position rate is instead read against a prior learned from
-  the population (``pi`` on ``GRID``, one EM step per verified step): its posterior mean is position 1's
-  rate and its ratio to the shared rate is the scale. A mix of request classes gives ``pi`` one mode per
-  class, so a few drafts place a request in its class instead of pulling it toward the shared rate.
+  With ``class_prior`` (off by default: it helps the simulator's two-class workload but measured worse on
+  the real pair, docs/planner.md) the first-position rate is instead read against a prior learned from
+  the population (``pi`` on ``GRID``, one EM step per verified step): the ratio of its posterior mean to the
+  population's mean under ``pi`` is the scale, and position 1 is the shared rate times it. A mix of request
+  classes gives ``pi`` one mode per class, so a few drafts place a request in its class instead of pulling
+  it toward the shared rate; with one class every request sits at the shared rate.
 * ``allocate``: row i's k-th draft token is worth g_{i,k} = Π_{j≤k} ρ_{i,j} expected tokens. Tokens are
   taken in order of g (largest first; g is non-increasing in k, so each row's tokens come in order) and
   every prefix of that order, and every uniform γ_i = γ, is priced with the step-time model, whose cost
@@ -50,7 +52,7 @@ def verify_by_tokens(row: list[float], batch: int, drafted: int) -> float:
     """The target forward of ``batch`` decode rows verifying ``drafted`` draft tokens in all, however they are
     spread over the rows: T(B, q̄) from the uniform row ``row`` (row[q] = T(B, q)), q̄ = 1 + drafted / B,
     linear between integer q. Measured on this engine (bench/mixed_steps.py, docs/planner.md): a ragged
-    verify costs what the same tokens in uniform rows cost (0.995–1.10×), not the sum of per-depth layers."""
+    verify costs what the same tokens in uniform rows cost (1.00–1.11×), not the sum of per-depth layers."""
     if drafted <= 0:
         return row[1]
     q = 1.0 + drafted / batch
@@ -85,7 +87,7 @@ class RequestAcceptance:
     """Per-request discounted acceptance counts per draft position, shrunk toward a shared estimate."""
 
     def __init__(self, gamma_max: int, decay: float = 0.9, prior_weight: float = 2.0,
-                 idle_decay: float = 0.97, class_prior: bool = True) -> None:
+                 idle_decay: float = 0.97, class_prior: bool = False) -> None:
         self.g, self.decay, self.w, self.idle = gamma_max, decay, prior_weight, idle_decay
         self.w_min = prior_weight
         self.tau2 = 0.05                           # between-request variance of first-position rates (EMA)
@@ -96,6 +98,7 @@ class RequestAcceptance:
         self.class_prior = class_prior
         self.pi = [1.0 / len(GRID)] * len(GRID)    # population prior of first-position rates (on GRID)
         self._log_pi = [math.log(x) for x in self.pi]
+        self.pi_mean = sum(self.pi[k] * GRID[k] for k in range(len(GRID)))     # the population's mean rate
         self.rho1: dict[int, float] = {}           # req_id → posterior mean first-position rate under pi
 
     def observe(self, req_ids, gammas, accepted) -> None:
@@ -175,6 +178,7 @@ class RequestAcceptance:
             for j in range(len(pi)):
                 pi[j] = 0.95 * pi[j] + eta * sum(post[j] / z for post, z in em)
             self._log_pi = [math.log(x if x > 1e-300 else 1e-300) for x in pi]
+            self.pi_mean = sum(x * g for x, g in zip(pi, grid))
 
     def forget(self, live) -> None:
         """Drop requests not in ``live``."""
@@ -218,11 +222,14 @@ class RequestAcceptance:
     def _own(self, acc: list[float], n: list[float], shared: list[float], top: int,
              rho1: float | None = None) -> list[float]:
         """One tracked request's g_k = Π_{j≤k} ρ_{r,j}, k = 1..top (see ``gains``). With the class prior
-        (``rho1``: the posterior mean under pi) position 1 is that mean and the scale is its ratio to the
-        shared rate."""
+        (``rho1``: the posterior mean under pi) the scale is that mean over the population's mean under pi,
+        and position 1 is the shared rate times the scale: the prior places the request among the others,
+        the shared (optimistic) rate keeps the level, so with one class every request is at the shared rate."""
         w = self.w
-        if rho1 is not None and shared[0] > 0.0:
-            scale = rho1 / shared[0]
+        if rho1 is not None and self.pi_mean > 0.0:
+            scale = rho1 / self.pi_mean
+            r = shared[0] * scale
+            rho1 = r if r < 0.995 else 0.995
         else:
             e_sum = 0.0
             for i in range(self.g):
@@ -266,9 +273,9 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     B = len(gains)
     base0 = target[B][1]
     zero = factor[0] * base0 / B
-    order = _order(gains, weights)
     if weights is not None and len(weights) != B:
         raise ValueError(f"{len(weights)} weights for {B} rows")
+    order = _order(gains, weights)
     inv, W = (None, 0.0) if weights is None else (list(weights), float(sum(weights)))
     S = W                                       # Σ_i w_i / E_i so far (every E_i = 1)
     e_row = [1.0] * B
