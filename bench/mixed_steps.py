@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_times import QUANTIZED, build_variants  # noqa: E402
+from step_times import build_variants  # noqa: E402
 
 from nightjar.kvpool.cache import KVCache  # noqa: E402
 from nightjar.models import build_layout  # noqa: E402
@@ -31,7 +31,7 @@ DEFAULT_CASES = "4:0,0,2,2;4:0,1,2,3;8:0x4,4x4;16:0x8,2x8;16:0x8,4x8;16:0x12,3x4
 
 
 def parse_cases(spec: str) -> list[tuple[int, ...]]:
-    """'B:g,g,..' or 'B:gxN,..' per case, ';'-separated → γ vectors (their lengths must equal B)."""
+    """'B:g,g,..' or 'B:gxN,..' per case, ';'-separated → γ vectors (ValueError unless each has B rows, γ ≥ 0)."""
     out = []
     for case in spec.split(";"):
         b, _, body = case.partition(":")
@@ -39,8 +39,8 @@ def parse_cases(spec: str) -> list[tuple[int, ...]]:
         for part in body.split(","):
             g, _, n = part.partition("x")
             vec += [int(g)] * (int(n) if n else 1)
-        if len(vec) != int(b):
-            raise SystemExit(f"case {case!r}: {len(vec)} rows, expected {b}")
+        if len(vec) != int(b) or min(vec) < 0 or max(vec) < 1:
+            raise ValueError(f"case {case!r}: expected {b} rows of γ ≥ 0, at least one ≥ 1 (got {vec})")
         out.append(tuple(vec))
     return out
 
@@ -102,9 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--cases", default=DEFAULT_CASES, help="';'-separated B:γ_1,..,γ_B (gxN repeats g N times)")
     a = p.parse_args(argv)
-    cases = parse_cases(a.cases)
+    try:
+        cases = parse_cases(a.cases)
+    except ValueError as e:
+        p.error(f"--cases: {e}")
     variant = "served" if a.quantization == "none" else a.quantization
-    assert variant in ("served", *QUANTIZED)
     model = build_variants(a.model, a.dtype, "cpu", [variant])[variant]
     cfg, dt = model.cfg, model.dtype
     steps = {nq: Batch(cfg, [nq[1]] * nq[0], a.context, dt, "cpu") for c in cases for nq in needed(c)}
