@@ -226,20 +226,19 @@ class RequestAcceptance:
         and position 1 is the shared rate times the scale: the prior places the request among the others,
         the shared (optimistic) rate keeps the level, so with one class every request is at the shared rate."""
         w = self.w
+        first = None                               # position 1's rate when the class prior sets it
         if rho1 is not None and self.pi_mean > 0.0:
             scale = rho1 / self.pi_mean
-            r = shared[0] * scale
-            rho1 = r if r < 0.995 else 0.995
+            first = min(shared[0] * scale, 0.995)
         else:
             e_sum = 0.0
             for i in range(self.g):
                 e_sum += n[i] * shared[i]
             scale = (sum(acc) + w) / (e_sum + w)
-            rho1 = None
         row, p = [], 1.0
         for i in range(top):
-            if i == 0 and rho1 is not None:
-                p *= rho1
+            if i == 0 and first is not None:
+                p *= first
             else:
                 r = shared[i] * scale
                 p *= (acc[i] + w * (r if r < 0.995 else 0.995)) / (n[i] + w)
@@ -276,7 +275,7 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     if weights is not None and len(weights) != B:
         raise ValueError(f"{len(weights)} weights for {B} rows")
     order = _order(gains, weights)
-    inv, W = (None, 0.0) if weights is None else (list(weights), float(sum(weights)))
+    W = 0.0 if weights is None else float(sum(weights))
     S = W                                       # Σ_i w_i / E_i so far (every E_i = 1)
     e_row = [1.0] * B
     n = [0] * (len(factor) + 1)                 # n[k]: rows with γ_i ≥ k so far
@@ -291,12 +290,12 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
         passes += draft[c] - draft[c - 1]
         n[k] = c
         drafted += 1
-        if inv is None:
+        if weights is None:
             tokens -= ng
         else:
             e0 = e_row[i]
             e_row[i] = e1 = e0 + gains[i][k - 1]
-            S -= inv[i] * (1.0 / e0 - 1.0 / e1)
+            S -= weights[i] * (1.0 / e0 - 1.0 / e1)
             tokens = B * W / S if S > 0.0 else tokens
         if k == 1 and row_extra is not None:
             rx += row_extra[i]
