@@ -274,6 +274,7 @@ class Engine:
             actors.append(HeadDraftExecutor(slot, self.draft_allocator, buffers, c.seed,
                                             embed=self.target.model.embed_tokens) if head else
                           DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
+            actors[-1].relay_to = actors[-2]        # drafts go straight to the verifier (kernel/actor.py)
         return actors
 
     def _attach_graphs(self, slot: DraftSlot | None) -> None:

@@ -64,6 +64,7 @@ class Verifier(Actor):
         self.run_ahead, self.executor = run_ahead, None        # executor: the compute thread's, from run()
         self.ahead: RunAhead | None = None
         self.ahead_used = self.ahead_dropped = 0
+        self.drafts_relayed = 0                     # StepDrafted handed over by the draft executor (accepts_relay)
         self.capture = capture                      # target layers a draft head reads (models/eagle.py)
         self.synthetic = synthetic_acceptance       # like vLLM's synthetic rejection sampler: NOT lossless
         self.synth_gen = torch.Generator(device=model.device).manual_seed(seed) if synthetic_acceptance else None
@@ -75,6 +76,16 @@ class Verifier(Actor):
     async def run(self, executor=None) -> None:
         self.executor = executor if self.run_ahead else None
         await super().run(executor)
+
+    def accepts_relay(self, msg) -> bool:
+        """The draft executor may hand its StepDrafted straight over, in its own call on the compute thread
+        (kernel/actor.py), when this verifier has handled that step's BlocksReserved and nothing waits in its
+        mailbox: what would have reached it first has."""
+        s, r = self.sched, self.reserved
+        ok = (isinstance(msg, StepDrafted) and s is not None and r is not None and msg.step == s.step == r.step
+              and not len(self.mailbox))
+        self.drafts_relayed += ok
+        return ok
 
     def handle(self, msg, now):
         if self.mirrors.observe(msg) is not None:

@@ -65,11 +65,14 @@ class Bus:
     def remove_tap(self, tap: Tap) -> None:
         self._taps.remove(tap)
 
-    def publish(self, src: str, msgs: Iterable[Msg]) -> None:
+    def publish(self, src: str, msgs: Iterable[Msg], skip: Mailbox | None = None) -> None:
+        """Stamp, tee and route each message; ``skip``: a mailbox that does not get them (an actor that has
+        handled them already, by relay: kernel/actor.py)."""
         for msg in msgs:
             self.seq += 1
             env = Envelope(self.seq, self.clock.now(), src, msg)
             for tap in self._taps:
                 tap(env)
             for box in self._routes.get(type(msg), ()):
-                box.post(env)
+                if box is not skip:
+                    box.post(env)

@@ -268,3 +268,71 @@ async def test_a_cancelled_idle_actor_keeps_later_posts_without_handling_them():
     bus.publish("test", [StepPlanned(step=1, gamma=0)])
     await asyncio.sleep(0.01)
     assert actor.handled == [] and len(actor.mailbox) == 1
+
+
+# ---- relay: one blocking actor hands an output straight to the next (kernel/actor.py) ----------
+class Relayed(BlockingRecorder):
+    """Takes ReleaseBlocks (the Recorder's answers) as ``b``; accepts a relay only while ``ready``; answers
+    each with an AbortRequest."""
+    name = "b"
+    subscribes = (ReleaseBlocks,)
+
+    def __init__(self, ready: bool = True, fail: bool = False):
+        super().__init__()
+        self.ready, self.fail, self.batches = ready, fail, 0
+
+    def accepts_relay(self, msg):
+        return self.ready and isinstance(msg, ReleaseBlocks)
+
+    def handle_batch(self, envs):
+        self.batches += 1                           # only mailbox deliveries come through here
+        return super().handle_batch(envs)
+
+    def handle(self, msg, now):
+        self.threads.add(threading.current_thread().name)
+        self.handled.append((msg, now))
+        if self.fail:
+            raise ValueError("relay target failed")
+        return [AbortRequest(req_id=msg.req_ids[0] * 10)]
+
+
+async def relay_run(b: Relayed, steps: int = 1):
+    a = BlockingRecorder()
+    bus, seen = wired(a)
+    b.attach(bus)
+    a.relay_to = b
+    with ThreadPoolExecutor(1, thread_name_prefix="test-compute") as ex:
+        tasks = [asyncio.ensure_future(x.run(ex)) for x in (a, b)]
+        bus.publish("test", [StepPlanned(step=s + 1, gamma=0) for s in range(steps)])
+        await until(lambda: len(b.handled) == steps or any(t.done() for t in tasks), "b's answers")
+        await until(lambda: sum(isinstance(e.msg, AbortRequest) for e in seen) == steps or any(t.done() for t in tasks),
+                    "b's answers published")
+        for t in tasks:
+            t.cancel()
+        res = await asyncio.gather(*tasks, return_exceptions=True)
+    return a, seen, res
+
+
+async def test_a_relayed_message_is_handled_in_the_same_job_and_published_in_order_under_each_name():
+    b = Relayed()
+    a, seen, _ = await relay_run(b)
+    flow = [(e.src, type(e.msg).__name__) for e in seen if not isinstance(e.msg, EngineStopping)]
+    assert flow == [("test", "StepPlanned"), ("recorder", "ReleaseBlocks"), ("b", "AbortRequest")]
+    assert b.batches == 0 and len(b.mailbox) == 0                 # never delivered through b's mailbox
+    assert b.threads == a.threads and next(iter(b.threads)).startswith("test-compute")
+    assert b.last_seq == next(e.seq for e in seen if isinstance(e.msg, ReleaseBlocks))
+
+
+async def test_a_target_that_is_not_ready_gets_the_message_through_its_mailbox():
+    b = Relayed(ready=False)
+    _, seen, _ = await relay_run(b, steps=2)
+    assert b.batches >= 1 and [m.req_ids for m, _ in b.handled] == [(1,), (2,)]
+    flow = [type(e.msg).__name__ for e in seen if not isinstance(e.msg, EngineStopping)]
+    assert flow.count("AbortRequest") == 2
+
+
+async def test_an_exception_in_the_relay_target_ends_the_task_naming_the_target():
+    _, seen, res = await relay_run(Relayed(fail=True))
+    err = next(r for r in res if isinstance(r, ActorError))
+    assert err.actor == "b" and isinstance(err.cause, ValueError)
+    assert not any(isinstance(e.msg, (ReleaseBlocks, AbortRequest)) for e in seen)   # nothing of that batch
