@@ -46,3 +46,23 @@ def test_relayed_drafting_steps_give_off_s_tokens(make_engine, smol_tokenizer, h
     assert got == ref
     assert drafted > 5 and ordered
     assert relayed >= 0.8 * drafted            # the verifier is nearly always ready: it attaches first
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_relayed_steps_still_store_the_head_s_features(make_engine, smol_tokenizer, inline):
+    """The head executor stores the target's features from the StepVerified of a relayed step (through its
+    mailbox): an oracle head, accepted only when its features sit at the right positions, stays accepted."""
+    from tests.actors.test_draft_head import repeat_pair
+
+    pair = repeat_pair(smol_tokenizer)
+    prompts = prompts_of_mixed_length(smol_tokenizer, 4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref, _, _, _ = run(make_engine, "off", prompts, params, pair=pair)
+
+    async def main():
+        async with make_engine("fixed:3", pair=pair, max_num_seqs=4, inline_compute=inline) as eng:
+            res = await run_all(eng, prompts, params, stagger=0)
+            return res, eng.stats, next(a for a in eng.actors if a.name == "verifier").drafts_relayed
+    got, stats, relayed = asyncio.run(main())
+    assert got == ref and relayed > 5
+    assert stats.accepted_tokens >= 0.8 * stats.draft_tokens
