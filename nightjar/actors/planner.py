@@ -7,6 +7,12 @@ tokens (the draft prefills every prompt under any γ>0) and generated tokens (wh
 behind), the prompt tokens entering decode this step, the queue, and the pool's free blocks after the
 previous step's reservation.
 
+A policy that ``learns_periods`` (the model-based ``nightjar``) learns step times from each decode step's
+wall-clock period, from its StepScheduled to the next one's (envelope times, so replay sees the same), less its
+catch-up: what the step cost the engine, the bus and thread hand-offs included, which differ between a γ = 0
+step (run ahead, actors/verifier.py) and a drafting one. A period is used only when the next step follows on
+(some row goes on, the period under 3× the step's model time + 20 ms); else that step's time is not learnt.
+
 A γ = 0 decision of a policy that ``holds_zero`` (or with no draft to run) stands for the next step as well
 (``StepPlanned.next_zero``): the verifier may start that step before this one commits (a run-ahead,
 ``actors/verifier.py``), so when it comes the planner plans γ = 0 whatever the policy would say then.
@@ -51,10 +57,16 @@ class Planner(Actor):
         self.holds_zero = bool(getattr(self.policy, "holds_zero", False))
         self.zero_step = -1                       # the step this planner committed to γ = 0 (next_zero)
         self.num_held = 0                         # steps planned 0 by that commitment, the policy choosing γ > 0
+        self.by_period = bool(getattr(self.policy, "learns_periods", False))
+        self.last_sched: tuple[int, float, frozenset] | None = None    # (step, time, decode rows)
+        self.last_timed: StepTimed | None = None
+        self.periods_used = self.periods_skipped = 0
 
     def handle(self, msg, now):
         match msg:
             case StepScheduled():
+                if self.by_period:
+                    self._learn_period(msg, now)
                 return [self._plan(msg)]
             case StepTimed():
                 self._observe(msg)
@@ -162,4 +174,21 @@ class Planner(Actor):
         if t.batch_size == 0:
             return
         self.prev_gamma = t.gamma
-        self.policy.observe(t)
+        if self.by_period:
+            self.last_timed = t
+            self.policy.observe(t, learn_time=False)
+        else:
+            self.policy.observe(t)
+
+    def _learn_period(self, s: StepScheduled, now: float) -> None:
+        """Hand the policy the previous decode step's period if this step follows on from it (docstring)."""
+        prev, t = self.last_sched, self.last_timed
+        self.last_sched = (s.step, now, frozenset(s.req_ids[:s.num_decode]))
+        if prev is None or t is None or t.step != prev[0] or s.step != prev[0] + 1:
+            return
+        took = now - prev[1] - t.catchup_time_s
+        if prev[2].isdisjoint(s.req_ids) or not 0.0 < took <= 3.0 * t.step_time_s + 0.02:
+            self.periods_skipped += 1
+            return
+        self.periods_used += 1
+        self.policy.observe_period(t, took)

@@ -205,6 +205,7 @@ class ModelNightjarPolicy(Policy):
     name = "nightjar"
     elastic_memory = True
     holds_zero = True           # hysteresis makes γ = 0 sticky anyway: holding it one more step delays SD by a step
+    learns_periods = True       # the planner hands it decode steps' wall-clock periods (observe_period)
 
     def __init__(self, gamma_max: int, seed: int = 0, *, profile: Any = None, z: float = 1.5,
                  z_accept: float = 0.5, model_sd: float | None = None, prior_weight: float | None = None,
@@ -576,8 +577,9 @@ class ModelNightjarPolicy(Policy):
         return t / b2
 
     # ------------------------------------------------------------ observe
-    def observe(self, result: StepTimed) -> None:
-        """Update acceptance, the catch-up line, dwell, the prefill term, level and the played arm."""
+    def observe(self, result: StepTimed, learn_time: bool = True) -> None:
+        """Update acceptance, the catch-up line, dwell, the prefill term, level and the played arm (the last
+        three from ``step_time_s`` unless ``learn_time`` is off: the step's period comes later)."""
         r = result
         self.switch.observe(r)
         if r.batch_size <= 0 or not 0 <= r.gamma <= self.gamma_max:
@@ -591,13 +593,20 @@ class ModelNightjarPolicy(Policy):
             self._run = 0
         if r.step_time_s > 0.0:
             self._learn_draft(r)
-            self._learn_time(r)
+            if learn_time:
+                self._learn_time(r, r.step_time_s)
 
-    def _learn_time(self, r: StepTimed) -> None:
+    def observe_period(self, result: StepTimed, seconds: float) -> None:
+        """What the step cost the engine: its wall-clock period (one schedule to the next, catch-up taken
+        out), the bus, the hand-offs and a run-ahead's overlap included. Learnt in place of its model time:
+        a drafting step pays hops a γ = 0 step runs ahead of (actors/planner.py)."""
+        if result.batch_size > 0 and 0 <= result.gamma <= self.gamma_max and seconds > 0.0:
+            self._learn_time(result, seconds)
+
+    def _learn_time(self, r: StepTimed, t: float) -> None:
         b, g = r.batch_size, r.gamma
         arm = self._ctx(bucket(b))[g]                 # first: the base's draft part reads the bucket's level
         base = self.mixed_base(b, r.drafted_per_pos) if r.drafted_per_pos else self.base_row(b)[g]
-        t = r.step_time_s
         if r.num_prefill_tokens > 0:
             if self._level() <= 0.0:
                 return
