@@ -261,6 +261,7 @@ class Engine:
         kv.cache, self.allocator = self.cache, kv.alloc
         slot = self._draft_slot()
         self.weights.slot = slot
+        self.weights.await_quiesced = slot is not None     # the draft executor says when it stops touching it
         self._attach_graphs(slot)
         buffers = DraftBuffers()
         head = slot is not None and is_head(slot.model)

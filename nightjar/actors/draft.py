@@ -15,6 +15,8 @@ from nightjar.actors.sampler import SamplingHints, argmax_last, sample_from, tra
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
+    DraftQuiesced,
+    DraftResidency,
     RequestAdmitted,
     RequestsPreempted,
     StepDrafted,
@@ -47,7 +49,7 @@ class DraftBuffers:
 
 class DraftExecutor(Actor):
     name: ClassVar[str] = "draft"
-    subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved)
+    subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved, DraftResidency)
     blocking = True
 
     def __init__(self, slot, allocator: BlockAllocator, buffers: DraftBuffers, seed: int):
@@ -56,6 +58,7 @@ class DraftExecutor(Actor):
         self.alloc, self.buffers = allocator, buffers
         self.mirrors = RequestMirrors(seed, "draft", slot.device)
         self.sched: StepScheduled | None = None
+        self.resident = True
 
     def handle(self, msg, now):
         done = self.mirrors.observe(msg)
@@ -63,6 +66,9 @@ class DraftExecutor(Actor):
             self._forget(done)
             return None
         match msg:
+            case DraftResidency():
+                self.resident = msg.resident      # an offload starts: say so once nothing here touches the draft
+                return [DraftQuiesced()] if not msg.resident and msg.state == "OFFLOADING" else None
             case RequestsPreempted():
                 self._forget(msg.req_ids)
             case StepScheduled():

@@ -58,13 +58,9 @@ class HeadDraftExecutor(DraftExecutor):
         super().__init__(slot, allocator, buffers, seed)
         self.embed = embed                # the target's token embedding (shared, never moved)
         self.ctx: dict[int, HeadContext] = {}
-        self.resident = True
 
     def handle(self, msg, now):
         match msg:
-            case DraftResidency():
-                self.resident = msg.resident
-                return None
             case StepVerified() if self.sched is not None and msg.step == self.sched.step:
                 self._store(msg)
                 return None

@@ -1,5 +1,7 @@
 """KV pool actor: owns the target's block allocator (and the cache's segments); reserves slots per
-step (γ_i+1 lookahead per row), grows the pool by a segment and shrinks it by migrating only the tail."""
+step (γ_i+1 lookahead per row), grows the pool by a segment and shrinks it by migrating only the tail. Both
+resizes wait until no step is in flight (they land at that step's commit) and hold the cache's lock against a
+run-ahead forward: a forward never sees the pool's layout change under it."""
 from __future__ import annotations
 
 import time
@@ -31,6 +33,7 @@ class KVPoolActor(Actor):
         self.sched: StepScheduled | None = None
         self.inflight: int | None = None               # step whose slots are reserved and not committed
         self.pending_shrink = 0
+        self.pending_grow = 0                          # blocks to add once no step is in flight
 
     def handle(self, msg, now):
         match msg:
@@ -43,11 +46,12 @@ class KVPoolActor(Actor):
                 self._commit(msg)
                 if msg.step == self.inflight:
                     self.inflight = None
-                    return self._shrink_if_pending()
+                    return (self._grow_if_pending() or []) + (self._shrink_if_pending() or []) or None
             case ReleaseBlocks():
                 self._release(msg.req_ids)
-            case GrowPool():
-                return [self._grow(msg.num_blocks)]
+            case GrowPool():                # like a shrink, between steps: never under a forward in flight
+                self.pending_grow += msg.num_blocks
+                return self._grow_if_pending() if self.inflight is None else None
             case ShrinkPool():
                 self.pending_shrink = msg.num_blocks
                 return self._shrink_if_pending() if self.inflight is None else None
@@ -105,11 +109,20 @@ class KVPoolActor(Actor):
     def _commit(self, msg: TokensCommitted) -> None:
         self.alloc.set_committed_rows(msg.req_ids, msg.num_computed)
 
+    def _grow_if_pending(self) -> list[PoolResized] | None:
+        n, self.pending_grow = self.pending_grow, 0
+        return [self._grow(n)] if n else None
+
+    def _add_segment(self, n: int) -> None:
+        with self.cache.lock:               # not while a run-ahead step (verifier) reads the pool's layout
+            self.cache.add_segment(n)
+            self.cache.generation += 1
+
     def _grow(self, n: int) -> PoolResized:
         """A new segment: no copy of the existing cache."""
         t0 = time.perf_counter()
         if self.cache is not None:          # a fill of up to ~100 MB: not on the loop thread (kernel/threads.py)
-            on_fresh_thread(self.cache.add_segment, n)
+            on_fresh_thread(self._add_segment, n)
         self.alloc.grow(n)
         return PoolResized(num_total=self.alloc.num_total, delta=n, duration_s=time.perf_counter() - t0)
 

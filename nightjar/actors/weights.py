@@ -3,7 +3,10 @@ triggers (with hysteresis) that move them.
 
 States (algorithm reference §3): RESIDENT -> OFFLOADING -> OFFLOADED (pool expanded) -> SHRINKING
 -> RELOADING -> RESIDENT. γ > 0 only while RESIDENT: every change is announced by DraftResidency.
-Transfers run on the transfer worker; their completion comes back as a TransferFinished message.
+Transfers run on the transfer worker; their completion comes back as a TransferFinished message. In the
+engine an offload's copy starts only once the draft executor has answered DraftResidency(OFFLOADING) with
+DraftQuiesced: a draft head writes its cache after every verified step, γ = 0 ones included, and a write
+racing the release stopped the engine (tests/actors/test_draft_head.py).
 
 The reload is always reachable: its headroom is capped by the base pool (an empty pool always
 qualifies), and an engine with no request in flight reloads at once (no steps run to persist over).
@@ -18,6 +21,7 @@ from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
     DraftOffloaded,
+    DraftQuiesced,
     DraftReloaded,
     DraftResidency,
     GrowPool,
@@ -75,7 +79,7 @@ class Triggers:
 class WeightMover(Actor):
     name: ClassVar[str] = "weights"
     subscribes = (StepScheduled, BlocksReserved, StepVerified, TransferFinished, PoolResized,
-                  OffloadDraft, ReloadDraft, RequestAdmitted, TokensCommitted)
+                  OffloadDraft, ReloadDraft, RequestAdmitted, TokensCommitted, DraftQuiesced)
 
     def __init__(self, slot: DraftSlot | None, triggers: Triggers | None, elastic: bool, transfer=None):
         super().__init__()
@@ -91,6 +95,8 @@ class WeightMover(Actor):
         self.reload_forced = False       # a ReloadDraft command retries every step until the pool shrinks
         self.live: set[int] = set()      # requests admitted and not finished: none left -> reload at once
         self.copy_failures = 0           # failed transfers in a row (MAX_COPY_FAILURES turns elastic memory off)
+        self.await_quiesced = False      # a live draft executor: copy out only after its DraftQuiesced
+        self.copying = False             # this offload's copy has started
 
     def on_start(self, now):
         return [DraftResidency(resident=self.slot is not None, state=self.state)]
@@ -112,6 +118,8 @@ class WeightMover(Actor):
                 return self._finish_offload() if self.offload_done else None
             case OffloadDraft() if self.state == "RESIDENT":
                 return self._start_offload()
+            case DraftQuiesced() if self.state == "OFFLOADING" and not self.copying:
+                self._copy_out()
             case ReloadDraft() if self.state == "OFFLOADED":
                 self.reload_forced = True
                 return self._start_shrink()
@@ -147,10 +155,18 @@ class WeightMover(Actor):
 
     # ---- offload: copy out, then (between γ>0 steps) release and grow the pool ------------------
     def _start_offload(self):
-        self.state, self.offload_done = "OFFLOADING", False
+        """Announce the offload; the copy starts now, or with a live draft executor (``await_quiesced``) once
+        it has said it no longer touches the draft (DraftQuiesced): a draft head writes its cache after every
+        verified step, not only in γ > 0 steps, and must not race the copy or the release."""
+        self.state, self.offload_done, self.copying = "OFFLOADING", False, False
+        if not self.await_quiesced:
+            self._copy_out()
+        return [DraftResidency(resident=False, state=self.state)]
+
+    def _copy_out(self) -> None:
+        self.copying = True
         if self.transfer is not None:
             self.transfer.offload(self.slot, self._offload_copied)
-        return [DraftResidency(resident=False, state=self.state)]
 
     def _offload_copied(self, host, seconds: float) -> None:
         """Runs on the event loop when the copy to host is done (live engines only)."""

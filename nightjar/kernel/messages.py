@@ -216,6 +216,12 @@ class DraftResidency(Msg, frozen=True):
     state: str
 
 
+class DraftQuiesced(Msg, frozen=True):
+    """The draft executor has handled DraftResidency(resident=False, state="OFFLOADING"): it touches the
+    draft's weights and caches no more until the draft is resident again, so the weight mover may copy them out
+    and release them."""
+
+
 # ---- lifecycle ---------------------------------------------------------------------------------
 class EngineStopping(Msg, frozen=True):
     reason: str = ""
@@ -224,7 +230,7 @@ class EngineStopping(Msg, frozen=True):
 BusMsg = (
     SubmitRequest | AbortRequest | RequestAdmitted | CancelRequest | RequestRejected | StepScheduled | StepPlanned
     | BlocksReserved | StepDrafted | StepVerified | StepTimed | TokensCommitted | RequestsPreempted | ReleaseBlocks
-    | OffloadDraft | ReloadDraft | DraftOffloaded | DraftReloaded | PoolResized | DraftResidency
+    | OffloadDraft | ReloadDraft | DraftOffloaded | DraftReloaded | PoolResized | DraftResidency | DraftQuiesced
     | GrowPool | ShrinkPool | TransferFinished
     | EngineStopping
 )

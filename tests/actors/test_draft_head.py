@@ -142,6 +142,43 @@ def test_offload_reload_cycles_with_a_head_keep_greedy_tokens_and_restart_its_co
     assert asyncio.run(cycled()) == generate_with(make_engine, "off", prompts, params, pair=pair)[0]
 
 
+def test_an_offload_waits_for_the_head_to_stop_writing_its_cache(make_engine, smol_tokenizer, monkeypatch):
+    """The head writes its cache after every verified step, γ = 0 ones too. With each write slowed to 50 ms,
+    the copy and release of an offload would run while a write is under way (the engine stopped on a
+    zero-size storage: this test without the wait); the weight mover waits for the draft executor's
+    DraftQuiesced instead."""
+    import time
+
+    from nightjar.kernel.messages import OffloadDraft, ReloadDraft
+    from nightjar.kvpool.cache import HeadCache
+    from tests.test_elastic import wait_state, wait_steps
+    from tests.test_engine import run_all
+
+    write = HeadCache.write_features
+
+    def slow_write(self, g, slots):
+        time.sleep(0.05)                   # the head decided to write (it is resident); the write comes later
+        write(self, g, slots)
+    monkeypatch.setattr(HeadCache, "write_features", slow_write)
+    pair = repeat_pair(smol_tokenizer)
+    prompts = prompts_of_mixed_length(smol_tokenizer, 3)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    async def cycled():
+        async with make_engine("fixed:0", pair=pair, num_blocks=64, block_size=8, max_num_seqs=3) as eng:
+            job = asyncio.ensure_future(run_all(eng, prompts, params, stagger=0))
+            for _ in range(2):
+                await wait_steps(eng, eng.stats.steps + 3)
+                eng.bus.publish("test", [OffloadDraft(reason="test")])
+                await wait_state(eng, "OFFLOADED")
+                eng.bus.publish("test", [ReloadDraft(reason="test")])
+                await wait_state(eng, "RESIDENT")
+            return await job, eng.weights.num_offloads
+    got, offloads = asyncio.run(cycled())
+    assert offloads == 2
+    assert got == generate_with(make_engine, "off", prompts, params, pair=pair)[0]
+
+
 def test_seeded_tokens_with_a_head_equal_off_and_unseeded_sampling_runs(make_engine, head_pair, smol_tokenizer):
     from tests.test_seeded_sampling import generate
 

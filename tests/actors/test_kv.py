@@ -48,3 +48,20 @@ def test_a_held_gamma_zero_reserves_each_decode_rows_next_slot_when_blocks_allow
     tight.handle(step([(1, 7, (9,))], num_decode=1), 0.0)
     (res,) = tight.handle(StepPlanned(step=1, gamma=0, next_zero=True), 0.0)
     assert not res.next_zero and len(res.block_tables[0]) == 2                                # 8 slots only
+
+
+def test_a_grow_waits_until_no_step_is_in_flight():
+    """The pool's layout changes only between steps (a grow under a forward in flight made greedy tokens differ
+    in tests/triton_kernels/test_cuda_graph.py's offload cycle): a GrowPool during a step lands at its commit."""
+    from nightjar.kernel.messages import GrowPool, PoolResized
+
+    alloc = BlockAllocator(10, 4)
+    kv = KVPoolActor(alloc)
+    assert [type(m) for m in kv.handle(GrowPool(num_blocks=4), 0.0)] == [PoolResized]     # idle: at once
+    assert alloc.num_total == 14
+    kv.handle(step([(1, 5, (9,))], num_decode=1), 0.0)
+    kv.handle(StepPlanned(step=1, gamma=0), 0.0)
+    assert kv.handle(GrowPool(num_blocks=2), 0.0) is None and alloc.num_total == 14         # step 1 in flight
+    out = kv.handle(TokensCommitted(step=1, req_ids=(1,), counts=(1,), tokens=(6,), num_computed=(6,),
+                                    finish=(0,)), 0.0)
+    assert [(type(m), m.delta) for m in out] == [(PoolResized, 2)] and alloc.num_total == 16

@@ -303,3 +303,44 @@ async def test_a_mover_with_a_real_transfer_releases_the_draft_after_the_copy_an
     done = TokensCommitted(step=1, req_ids=(1,), counts=(0,), tokens=(), num_computed=(0,),
                            finish=(int(FinishReason.STOP),))
     assert m.handle(done, 0.0) is None                     # resident: an idle engine has nothing to reload
+
+
+class RecordingTransfer:
+    """Records offload calls (the copy itself is never run)."""
+
+    def __init__(self):
+        self.offloads = 0
+
+    def offload(self, slot, done):
+        self.offloads += 1
+
+
+def test_with_a_live_draft_executor_the_copy_waits_for_its_draft_quiesced():
+    """A draft head writes its cache after every verified step: the copy (and so the release) starts only once
+    the draft executor has handled the offload's DraftResidency and said so (DraftQuiesced)."""
+    from nightjar.kernel.messages import DraftQuiesced
+
+    m = mover()
+    m.transfer, m.await_quiesced = RecordingTransfer(), True
+    assert m.handle(OffloadDraft(), 0.0) == [DraftResidency(resident=False, state="OFFLOADING")]
+    assert m.transfer.offloads == 0 and m.state == "OFFLOADING"
+    assert m.handle(DraftQuiesced(), 0.0) is None
+    assert m.transfer.offloads == 1
+    assert m.handle(DraftQuiesced(), 0.0) is None and m.transfer.offloads == 1     # a stray one: no second copy
+    plain = mover()
+    plain.transfer = RecordingTransfer()                   # no live draft executor (simulation): at once
+    plain.handle(OffloadDraft(), 0.0)
+    assert plain.transfer.offloads == 1
+
+
+def test_the_draft_executor_says_it_is_quiesced_only_when_an_offload_starts():
+    from nightjar.actors.draft import DraftBuffers, DraftExecutor
+    from nightjar.kernel.messages import DraftQuiesced
+    from nightjar.kvpool.blocks import BlockAllocator
+
+    ex = DraftExecutor(tiny_slot(), BlockAllocator(8, 4), DraftBuffers(), seed=0)
+    assert ex.handle(DraftResidency(resident=False, state="OFFLOADING"), 0.0) == [DraftQuiesced()]
+    assert not ex.resident
+    for state in ("OFFLOADED", "SHRINKING", "RELOADING"):
+        assert ex.handle(DraftResidency(resident=False, state=state), 0.0) is None
+    assert ex.handle(DraftResidency(resident=True, state="RESIDENT"), 0.0) is None and ex.resident
