@@ -47,7 +47,7 @@ class KVCache:
         self._layers: list[torch.Tensor] = []                # per layer: ``_base[layer]`` (views made once)
         self._slots: list[torch.Tensor] = []                 # per layer: ``_base[layer]`` by slot (``_slot_view``)
         self.lock = threading.Lock()     # held by a run-ahead step (actors/verifier.py) and a shrink's migration
-        self.generation = 0              # +1 whenever blocks move or go (a run-ahead planned before is void)
+        self.generation = 0              # +1 whenever blocks move, go or come (a run-ahead planned before is void)
         if num_blocks > 0 and reserve_blocks > 0:
             self._store = torch.empty(self._shape(num_blocks + reserve_blocks), dtype=dtype, device=self.device)
         if num_blocks > 0:
