@@ -197,6 +197,9 @@ def main(argv=None) -> None:
         ap.error(f"--batches {a.batches!r}: comma-separated integers")
     if a.profile != "auto" and not Path(a.profile).is_file():
         ap.error(f"--profile {a.profile}: no such file")
+    if a.prompts < 2 or a.steps < 1 or a.max_tokens < 2 or min(batches, default=0) < 1:
+        ap.error("--prompts >= 2 (calibration and scoring split them), --steps >= 1, --max-tokens >= 2, "
+                 "--batches >= 1 each")
     torch.set_grad_enabled(False)
     prof = load_profile(a.profile, a.model, a.head)
     t = load_model(a.model, dtype=torch.bfloat16, pack=False)

@@ -55,3 +55,11 @@ def test_past_the_grid_a_row_is_priced_as_more_rows():
                    reload_s=0, draft_bytes=0, num_blocks=1, block_size=16, draft_blocks=0)
     assert hc.verify_time(prof, 1, 5) == 1.0
     assert hc.verify_time(prof, 1, 10) == prof.target_time(2, 5) == 2.0
+
+
+@pytest.mark.parametrize("argv", [["--prompts", "1"], ["--steps", "0"], ["--batches", "0,4"], ["--batches", "x"],
+                                  ["--profile", "/no/such/file"], ["--head", "/tmp"]])
+def test_a_bad_option_ends_in_one_usage_line_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        hc.main(argv)
+    assert e.value.code == 2 and "head_candidates.py: error: --" in capsys.readouterr().err.strip().splitlines()[-1]
