@@ -62,4 +62,4 @@ def test_past_the_grid_a_row_is_priced_as_more_rows():
 def test_a_bad_option_ends_in_one_usage_line_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         hc.main(argv)
-    assert e.value.code == 2 and "head_candidates.py: error: --" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and ": error: --" in capsys.readouterr().err.strip().splitlines()[-1]
