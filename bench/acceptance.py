@@ -4,6 +4,7 @@
                                [--max-tokens 64] [--prompts heldout] [--repeats 2] [--speed-prompts 12]
     python bench/acceptance.py --temperature 0.8 --skip-speed    # sampled: Gumbel coupling vs rejection
     python bench/acceptance.py --quantization int4 --draft default,default@int4 --skip-speed   # quantized
+    python bench/acceptance.py --gamma 3 --draft-tree 1,3      # a head's draft tree beside its chain
 
 A draft is an independent model (``default``: the shipped small Llama draft, or any checkpoint) or a
 draft head directory (models/eagle.py). For each draft, on the same prompts (``heldout``: the held-out
@@ -16,6 +17,8 @@ split of nightjar/data/prompts.jsonl, never trained on):
   (executor and verifier timed in place) against the step (``fixed:0`` with the head loaded);
 - single-stream tokens/s of ``off``, ``fixed:1..γ`` and ``nightjar`` with each draft, all runs
   interleaved (order rotated per repetition) so a noisy machine slows them alike; medians.
+- with ``--draft-tree K,..`` (heads): the share of drafting rows that took a runner-up first draft at fixed γ
+  and tokens per step with it, and the speed runs again with each tree width.
 The last line printed is one JSON object with every figure.
 """
 from __future__ import annotations
@@ -65,9 +68,10 @@ class StepLog:
                 self.draft_pass.append(dt / m.gamma)
 
 
-async def run_policy(pair, policy: str, gamma_max: int, prompts, max_tokens: int, dtype: str):
+async def run_policy(pair, policy: str, gamma_max: int, prompts, max_tokens: int, dtype: str, tree: int = 0):
     """Single stream: prompts one after another. Returns (tokens/s, engine stats, step log, γ=0 cost)."""
-    async with Engine(policy=policy, loaded=pair, dtype=dtype, gamma_max=gamma_max) as eng:
+    async with Engine(policy=policy, loaded=pair, dtype=dtype, gamma_max=gamma_max, draft_tree=tree,
+                      draft_tree_batch=1) as eng:
         await _one(eng, prompts[0], 8)                                   # warm-up
         eng.collector.stats.__init__()
         log = StepLog()
@@ -127,21 +131,35 @@ def acceptance(pair, a, prompts) -> dict:
             "draft_target_time_ratio": round(t_draft / t_verify, 4)}
 
 
+def tree_acceptance(pair, a, prompts, tree: int) -> dict:
+    """At fixed γ with a draft tree of ``tree`` runner-ups: how often a drafting row took one, tokens per step."""
+    _, st, log, _ = asyncio.run(run_policy(pair, f"fixed:{a.gamma}", a.gamma, prompts, a.max_tokens, a.dtype, tree))
+    return {"runner_up_taken_per_draft": round(st.tree_hits / st.num_drafts, 3),
+            "mean_tokens_per_step": round(1 + (st.accepted_tokens + st.tree_hits) / st.num_drafts, 3),
+            "target_verify_ms": round(statistics.median(log.verify) * 1e3, 2)}
+
+
+def trees_of(a) -> list[int]:
+    return [int(k) for k in a.draft_tree.split(",") if k.strip()] if a.draft_tree else []
+
+
 def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
     """Interleaved single-stream runs: (median tokens/s per run name, γ=0 feature-work share per head)."""
-    runs = [("off", None, "off")]
+    runs = [("off", None, "off", 0)]
+    policies = [f"fixed:{g}" for g in range(1, a.gamma + 1)] + ["nightjar"]
     for name, pair in pairs.items():
-        runs += [(f"{name} {p}", pair, p) for p in [f"fixed:{g}" for g in range(1, a.gamma + 1)] + ["nightjar"]]
+        runs += [(f"{name} {p}", pair, p, 0) for p in policies]
         if is_head(pair[1].model):
-            runs.append((f"{name} fixed:0", pair, "fixed:0"))
+            runs.append((f"{name} fixed:0", pair, "fixed:0", 0))
+            runs += [(f"{name} {p} tree{k}", pair, p, k) for k in trees_of(a) for p in policies]
     target = next(iter(pairs.values()))[0]
     speeds = {r[0]: [] for r in runs}
     zero_cost: dict[str, list[float]] = {}
     for rep in range(a.repeats):
         k = rep % len(runs)
-        for label, pair, policy in runs[k:] + runs[:k]:                  # rotate the order
+        for label, pair, policy, tree in runs[k:] + runs[:k]:            # rotate the order
             tps, _, log, cost = asyncio.run(run_policy(pair or (target, None), policy, a.gamma,
-                                                       prompts[: a.speed_prompts], a.max_tokens, a.dtype))
+                                                       prompts[: a.speed_prompts], a.max_tokens, a.dtype, tree))
             speeds[label].append(tps)
             if policy == "fixed:0" and cost:
                 zero_cost.setdefault(label.split()[0], []).append(statistics.median(cost) /
@@ -157,11 +175,11 @@ def load_draft_spec(spec: str, target, dtype: str):
     return load_quantized(name, dtype, "cpu", mode or "none", draft_for=target.config)
 
 
-def summarize(name: str, med: dict, gamma: int) -> dict:
-    fixed = {g: med[f"{name} fixed:{g}"] for g in range(1, gamma + 1)}
+def summarize(name: str, med: dict, gamma: int, suffix: str = "") -> dict:
+    fixed = {g: med[f"{name} fixed:{g}{suffix}"] for g in range(1, gamma + 1)}
     best = max(fixed, key=fixed.get)
     return {"best_gamma": best, "speedup_best_fixed_vs_off": round(fixed[best] / med["off"], 3),
-            "nightjar_vs_best_fixed": round(med[f"{name} nightjar"] / fixed[best], 3)}
+            "nightjar_vs_best_fixed": round(med[f"{name} nightjar{suffix}"] / fixed[best], 3)}
 
 
 def main(argv=None) -> dict:
@@ -180,7 +198,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="also measure sampled acceptance at this temperature, seeded vs unseeded")
     ap.add_argument("--skip-speed", action="store_true", help="only acceptance (no speed runs)")
+    ap.add_argument("--draft-tree", default="", metavar="K,..", help="also measure heads with these tree widths")
     a = ap.parse_args(argv)
+    try:
+        if any(not 1 <= k <= 8 for k in trees_of(a)):
+            raise ValueError
+    except ValueError:
+        ap.error(f"argument --draft-tree: widths 1..8, comma-separated; got {a.draft_tree!r}")
     prompts = read_prompts(a.prompts, a.limit)
     # loaded on a thread that exits: torch work on this (main) thread would leave an OpenMP team beside each
     # engine's compute thread and every forward would run ~2x slower (nightjar/kernel/threads.py)
@@ -189,6 +213,8 @@ def main(argv=None) -> dict:
     result = {"prompts": len(prompts), "gamma": a.gamma, "drafts": {}}
     for name, pair in pairs.items():
         r = acceptance(pair, a, prompts)
+        for k in trees_of(a) if is_head(pair[1].model) else []:
+            r[f"tree{k}"] = tree_acceptance(pair, a, prompts, k)
         if a.temperature > 0:
             for kind, seeded in (("seeded_gumbel", True), ("unseeded_rejection", False)):
                 r[f"T{a.temperature}_{kind}"] = asyncio.run(sampled_acceptance(
@@ -200,6 +226,9 @@ def main(argv=None) -> dict:
         result["tokens_per_s"] = med
         for name in pairs:
             result["drafts"][name].update(summarize(name, med, a.gamma))
+            for k in trees_of(a) if is_head(pairs[name][1].model) else []:
+                result["drafts"][name][f"tree{k}"].update(
+                    {key + "_tree": v for key, v in summarize(name, med, a.gamma, f" tree{k}").items()})
             if name in zero:
                 result["drafts"][name]["gamma0_feature_work_share"] = zero[name]
                 result["drafts"][name]["gamma0_vs_off"] = round(med[f"{name} fixed:0"] / med["off"], 3)

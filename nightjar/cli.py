@@ -36,12 +36,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
             dt = time.perf_counter() - t0
             s = eng.stats
             stats = {"steps": s.steps, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-                     "tokens_per_s": round(len(ids) / dt, 2) if dt > 0 else 0.0}
+                     "tree_hits": s.tree_hits, "tokens_per_s": round(len(ids) / dt, 2) if dt > 0 else 0.0}
             if a.json:
                 print(json.dumps({"text": text, "token_ids": ids, "finish_reason": fin, "stats": stats}))
             else:
                 print(f"\n[{fin}] {len(ids)} tokens, {stats['tokens_per_s']} tok/s, "
-                      f"accepted {s.accepted_tokens}/{s.draft_tokens} drafts", file=sys.stderr)
+                      f"accepted {s.accepted_tokens}/{s.draft_tokens} drafts"
+                      + (f", {s.tree_hits} runner-up drafts taken" if s.tree_hits else ""), file=sys.stderr)
     asyncio.run(run())
     return 0
 

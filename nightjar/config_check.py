@@ -9,7 +9,8 @@ DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
 MAX_GAMMA = 16
 POSITIVE = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue",
-            "persist_steps", "trace_max_bytes")
+            "persist_steps", "trace_max_bytes", "draft_tree_batch")
+MAX_TREE = 8
 
 
 def check_config(cfg: EngineConfig, models: bool = True) -> None:
@@ -27,6 +28,8 @@ def _numbers(c: EngineConfig) -> None:
             raise ConfigError(name, f"must be > 0, got {getattr(c, name)}")
     if not 0 <= c.gamma_max <= MAX_GAMMA:
         raise ConfigError("gamma_max", f"must be in 0..{MAX_GAMMA}, got {c.gamma_max}")
+    if not 0 <= c.draft_tree <= MAX_TREE:
+        raise ConfigError("draft_tree", f"must be in 0..{MAX_TREE}, got {c.draft_tree}")
     if not 0 <= c.low_free_frac < 1:
         raise ConfigError("low_free_frac", f"must be in [0, 1), got {c.low_free_frac}")
     if c.synthetic_acceptance is not None and not 0 <= c.synthetic_acceptance <= 1:

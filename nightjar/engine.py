@@ -53,10 +53,12 @@ class EngineStats:
     num_drafts: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     tokens_emitted: int = 0
+    tree_hits: int = 0               # rows that took a sibling of their first draft (draft tree)
 
     def observe(self, t: StepTimed) -> None:
         self.steps += 1
         self.tokens_emitted += t.tokens_emitted
+        self.tree_hits += t.tree_hits
         if t.gamma:
             self.num_drafts += t.num_drafts
             self.draft_tokens += sum(t.drafted_per_pos) if t.drafted_per_pos else t.num_drafts * t.gamma
@@ -221,6 +223,9 @@ class Engine:
             self.config = c = msgspec.structs.replace(c, planner_profile=self._cached_profile())
         self._planner_profile = read_planner_profile(c.planner_profile)
         self.target, self.draft = self._load()
+        if c.draft_tree and self.draft is not None and not is_head(self.draft.model):
+            raise ConfigError("draft_tree", "needs a draft head (--draft default or a head directory), "
+                              "not an independent draft model")
         self.tokenizer = self.target.tokenizer
         self.memory = plan_memory(c, self.target, self.draft)
         tc = self.target.config
@@ -273,7 +278,8 @@ class Engine:
         if slot is not None:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(HeadDraftExecutor(slot, self.draft_allocator, buffers, c.seed,
-                                            embed=self.target.model.embed_tokens) if head else
+                                            embed=self.target.model.embed_tokens, tree=c.draft_tree,
+                                            tree_batch=c.draft_tree_batch) if head else
                           DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
             actors[-1].relay_to = actors[-2]        # drafts go straight to the verifier (kernel/actor.py)
         return actors

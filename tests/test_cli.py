@@ -49,6 +49,9 @@ def test_generate_runs_its_forwards_inline_and_serve_on_a_compute_thread_unless_
     (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["serve", "--block-size", "-4"], "--block-size"),
     (["serve", "--device-memory", "0"], "--device-memory"),
+    (["serve", "--draft-tree", "9"], "--draft-tree"),
+    (["serve", "--draft-tree-batch", "0"], "--draft-tree-batch"),
+    (["generate", "hi", "--draft", "independent", "--draft-tree", "2"], "--draft-tree"),
 ])
 def test_bad_engine_flags_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     assert main(argv) == 2

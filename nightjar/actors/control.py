@@ -76,6 +76,12 @@ def spec_from_header(header: dict[str, Any]) -> ControlSpec:
         planner_profile=header.get("planner_profile"))
 
 
+def tree_scratch_blocks(s: ControlSpec) -> int:
+    """Target KV blocks the KV pool holds for sibling rows (2 per sibling: actors/kv.py), 0 without a tree."""
+    c = s.config
+    return 2 * c.draft_tree * c.draft_tree_batch if s.draft is not None and c.draft_tree > 0 else 0
+
+
 def _admission(s: ControlSpec):
     from nightjar.actors.admission import Admission
     return Admission(s.vocab_size, s.max_len, s.config.max_queue, s.num_blocks * s.config.block_size)
@@ -84,7 +90,8 @@ def _admission(s: ControlSpec):
 def _batcher(s: ControlSpec):
     from nightjar.actors.batcher import Batcher
     c = s.config
-    return Batcher(s.num_blocks, c.block_size, s.eos_token_ids, c.max_num_seqs, c.max_num_batched_tokens, s.max_len)
+    return Batcher(s.num_blocks - tree_scratch_blocks(s), c.block_size, s.eos_token_ids, c.max_num_seqs,
+                   c.max_num_batched_tokens, s.max_len)
 
 
 def _planner(s: ControlSpec):
@@ -97,7 +104,8 @@ def _planner(s: ControlSpec):
 def _kv(s: ControlSpec):
     from nightjar.actors.kv import KVPoolActor
     from nightjar.kvpool.blocks import BlockAllocator
-    return KVPoolActor(BlockAllocator(s.num_blocks, s.config.block_size))
+    alloc = BlockAllocator(s.num_blocks, s.config.block_size)
+    return KVPoolActor(alloc, scratch_blocks=tree_scratch_blocks(s))
 
 
 def elastic_enabled(c: EngineConfig) -> bool:

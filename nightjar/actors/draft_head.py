@@ -14,6 +14,10 @@ positions of the last step, more after γ=0 steps) and drafts d1 from the last o
 the previous pass's output state as the feature with token d_{k-1}. Afterwards the head's KV is cut
 back to the catch-up frontier: entries built on drafted features are never kept.
 
+Draft tree (``tree`` = width > 0): when the step has at most ``tree_batch`` decode rows, each greedy drafting row
+also sends the head's ``tree`` runner-up tokens of pass 1 (StepDrafted.siblings); the verifier checks them
+beside the chain, in the scratch blocks the KV pool names (BlocksReserved.scratch, 2 per sibling).
+
 A gap in a request's features (the head was offloaded, or the request was preempted and re-prefilled)
 restarts its head context at the first position that has features; a request without features does
 not draft until it has some. While the head is not resident nothing is written.
@@ -54,16 +58,21 @@ class HeadDraftExecutor(DraftExecutor):
     subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved,
                   StepVerified, DraftResidency)
 
-    def __init__(self, slot, allocator, buffers, seed: int, embed: torch.nn.Module):
+    def __init__(self, slot, allocator, buffers, seed: int, embed: torch.nn.Module, tree: int = 0,
+                 tree_batch: int = 2):
         super().__init__(slot, allocator, buffers, seed)
         self.embed = embed                # the target's token embedding (shared, never moved)
         self.ctx: dict[int, HeadContext] = {}
+        self.tree, self.tree_batch = tree, tree_batch
+        self.scratch: tuple[int, ...] = ()
 
     def handle(self, msg, now):
         match msg:
             case StepVerified() if self.sched is not None and msg.step == self.sched.step:
                 self._store(msg)
                 return None
+            case BlocksReserved():
+                self.scratch = msg.scratch
         return super().handle(msg, now)
 
     def _forget(self, req_ids) -> None:
@@ -130,23 +139,48 @@ class HeadDraftExecutor(DraftExecutor):
                 gams[i] = 0                    # no features yet (or no room): this row does not draft
         rows = self._rows(tuple(gams))
         t0 = time.perf_counter()
-        tokens, probs, catch = self._propose_head(rows, gamma) if rows else ([], {}, (0, 0.0))
+        tokens, probs, catch, sibs = self._propose_head(rows, gamma) if rows else ([], {}, (0, 0.0), [])
         t1 = time.perf_counter()
         uniform = all(g == gamma or not sp for g, sp in zip(gams, s.speculate)) and not per_row
         return self._drafted(gamma, rows, tokens, probs, t1 - t0 - catch[1], catch[1], catch[0],
-                             () if uniform else tuple(gams))
+                             () if uniform else tuple(gams), self._flat_siblings(rows, sibs))
+
+    def _tree_rows(self, rids: list[int]) -> int:
+        """How many of the drafting rows (in order) may send siblings: greedy ones, while the scratch lasts."""
+        if not self.tree or self.sched.num_decode > self.tree_batch:
+            return 0
+        room = len(self.scratch) // (2 * self.tree)
+        return min(room, sum(1 for r in rids if self.mirrors[r].greedy))
+
+    def _flat_siblings(self, rows, sibs: list[list[int]]) -> tuple[int, ...]:
+        """StepDrafted.siblings: [num_decode * tree], -1 where a row sent none; () when no row did."""
+        if not any(sibs):
+            return ()
+        w, flat = self.tree, [-1] * (self.sched.num_decode * self.tree)
+        for (row, _, _, _), sb in zip(rows, sibs):
+            flat[row * w: row * w + len(sb)] = sb
+        return tuple(flat)
+
+    def _siblings(self, logits: torch.Tensor, firsts: list[int], tree_ok: list[bool]) -> list[list[int]]:
+        """Pass 1's runner-up tokens of each tree row (logits [R, V]; ``firsts`` its drafted d1)."""
+        if not any(tree_ok):
+            return [[] for _ in firsts]
+        top = logits.topk(self.tree + 1, dim=-1).indices.tolist()                   # [R, tree+1]
+        return [[t for t in row if t != d][: self.tree] if ok else [] for row, d, ok in zip(top, firsts, tree_ok)]
 
     def _propose_head(self, rows, gamma: int):
         """γ_i head passes per row; pass 1 also catches up. Returns (tokens per row, q probs of random
-        sampling rows, (catch-up entries, their estimated share of pass 1's time))."""
+        sampling rows, (catch-up entries, their estimated share of pass 1's time), siblings per row)."""
         rids = [rid for _, rid, _, _ in rows]
         gam = [g for _, _, _, g in rows]
         specs = [self.mirrors[r].sampling for r in rids]
         temp, top_k, top_p = sampling_tensors(specs, self.slot.device)
         greedy = [sp.temperature <= 0 for sp in specs]
+        n_tree = self._tree_rows(rids)
+        tree_ok = [g and sum(greedy[: j + 1]) <= n_tree for j, g in enumerate(greedy)]
         front = [self.ctx[r].fend - self.ctx[r].base for r in rids]          # head-local catch-up frontier
         starts = [self.alloc.num_committed(r) for r in rids]
-        out, qs = [[] for _ in rids], [[] for _ in rids]
+        out, qs, sibs = [[] for _ in rids], [[] for _ in rids], [[] for _ in rids]
         act, feat, t_first, n_first, catch = list(range(len(rids))), None, 0.0, 0, 0
         for i in range(max(gam)):
             t = time.perf_counter()
@@ -170,12 +204,13 @@ class HeadDraftExecutor(DraftExecutor):
                 out[j].append(tok)
                 starts[j] += len(c)
             if i == 0:
+                sibs = self._siblings(logits, nxt, tree_ok)                     # pass 1 runs every row
                 t_first = time.perf_counter() - t
         for r, f in zip(rids, front):
             self.alloc.set_committed(r, f)       # drop the entries built on drafted features
         share = t_first * catch / n_first if n_first else 0.0
         probs = {r: torch.stack(q) for r, q in zip(rids, qs) if q}
-        return out, probs, (catch, share)
+        return out, probs, (catch, share), sibs
 
     def _catch_up_tokens(self, rid: int, start: int) -> list[int]:
         """Tokens x_{i+1} of the head entries i from head-local ``start`` to the frontier."""

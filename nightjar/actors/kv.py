@@ -1,7 +1,10 @@
 """KV pool actor: owns the target's block allocator (and the cache's segments); reserves slots per
 step (γ_i+1 lookahead per row), grows the pool by a segment and shrinks it by migrating only the tail. Both
 resizes wait until no step is in flight (they land at that step's commit) and hold the cache's lock against a
-run-ahead forward: a forward never sees the pool's layout change under it."""
+run-ahead forward: a forward never sees the pool's layout change under it.
+
+With a draft tree the pool holds ``scratch_blocks`` for good, as the pseudo sequence SCRATCH_SEQ, and names
+them in every drafting step's BlocksReserved: the verifier's sibling rows write their KV there (actors/verifier.py)."""
 from __future__ import annotations
 
 import time
@@ -22,14 +25,19 @@ from nightjar.kernel.messages import (
 from nightjar.kernel.threads import on_fresh_thread
 from nightjar.kvpool.blocks import BlockAllocator, KVPoolError
 
+SCRATCH_SEQ = -1          # the allocator's sequence id of the draft tree's scratch blocks
+
 
 class KVPoolActor(Actor):
     name: ClassVar[str] = "kv"
     subscribes = (StepScheduled, StepPlanned, TokensCommitted, ReleaseBlocks, GrowPool, ShrinkPool)
 
-    def __init__(self, allocator: BlockAllocator, cache=None):
+    def __init__(self, allocator: BlockAllocator, cache=None, scratch_blocks: int = 0):
         super().__init__()
         self.alloc, self.cache = allocator, cache      # cache is None in control-plane replay
+        self.scratch_blocks = scratch_blocks
+        if scratch_blocks:
+            allocator.reserve(SCRATCH_SEQ, scratch_blocks * allocator.block_size)
         self.sched: StepScheduled | None = None
         self.inflight: int | None = None               # step whose slots are reserved and not committed
         self.pending_shrink = 0
@@ -99,7 +107,8 @@ class KVPoolActor(Actor):
         return BlocksReserved(step=s.step, gamma=gamma,
                               block_tables=alloc.block_tables(s.req_ids),
                               num_free=alloc.num_free, num_total=alloc.num_total,
-                              gammas=gammas if per_row and gamma else (), next_zero=next_zero)
+                              gammas=gammas if per_row and gamma else (), next_zero=next_zero,
+                              scratch=alloc.block_table(SCRATCH_SEQ) if gamma and self.scratch_blocks else ())
 
     def _migrate_and_drop(self, pairs) -> None:
         with self.cache.lock:               # not while a run-ahead step (verifier) reads and writes the pool

@@ -103,8 +103,9 @@ class Planner(Actor):
         gammas = v.gammas
         if not gammas and v.gamma > 0 and spec is not None:
             gammas = tuple(v.gamma if sp else 0 for sp in spec)
-        if gammas:
-            self.policy.observe_rows(v.req_ids[:nd], gammas, v.accepted[:nd])
+        if gammas:                          # a sibling taken (draft tree) is not the chain's d1 accepted
+            acc = tuple(a - h for a, h in zip(v.accepted, v.tree_hits)) if v.tree_hits else v.accepted[:nd]
+            self.policy.observe_rows(v.req_ids[:nd], gammas, acc)
 
     def _new_prompts(self, s: StepScheduled) -> tuple[int, int]:
         """Record prompts whose prefill finishes this step: (tokens, count)."""

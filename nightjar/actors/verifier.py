@@ -11,11 +11,19 @@ BlocksReserved comes and matches the forward's rows, positions, tokens and block
 else the forward is dropped (its writes lie in the rows' own blocks at the slot the step rewrites). The
 forward holds the cache's lock, which a pool shrink's migration takes too, and is skipped if blocks moved
 since it was planned (``KVCache.generation``).
+
+Draft tree (StepDrafted.siblings, greedy rows only): a row fed x_n at position n with chain d1..dγ may also
+send siblings c_j, runner-up first drafts. Each becomes a row of its own, [x_n, c_j] at positions n, n+1, on
+the row's blocks up to the one holding n, that one replaced by a copy in a scratch block (BlocksReserved.scratch,
+its slots before n copied first) and a second scratch block when n+1 starts a new one. When the target's token
+at n is not d1 but some c_j, the row emits c_j and the target's token after it (from c_j's row): c_j's K and V
+are copied into the row's own slot n+1, its captured features replace d1's, and the row counts one accepted
+draft (StepVerified.accepted; ``tree_hits`` says which rows took a sibling). Sampled rows never use siblings.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -49,6 +57,17 @@ class RunAhead:
     feats: Any = None                         # captured target features (a draft head's), once run
     time_s: float = 0.0
     error: BaseException | None = None
+
+
+@dataclass
+class SiblingRows:
+    """The sibling rows of a drafting step (module docstring), in the order they follow the step's own rows."""
+    rows: list[int] = field(default_factory=list)                 # the decode row each belongs to
+    tokens: list[int] = field(default_factory=list)               # its sibling c_j
+    starts: list[int] = field(default_factory=list)               # n: it feeds [x_n, c_j]
+    tables: list[tuple[int, ...]] = field(default_factory=list)
+    slots: list[tuple[int, int]] = field(default_factory=list)    # (its slot of n+1, the row's slot of n+1)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (row's block, scratch block) before the forward
 
 
 class Verifier(Actor):
@@ -127,15 +146,70 @@ class Verifier(Actor):
             self.ahead_dropped += 1
         t0 = time.perf_counter()
         chunks, nlog, drafts = self._rows(drafted)
-        logits = run_chunks(self.model, self.cache, self.block_size, chunks, list(self.sched.starts),
-                            list(self.reserved.block_tables), nlog, self.capture)         # [N, V]
+        sib = self._sibling_rows(drafted, drafts) if drafted and drafted.siblings and self.synthetic is None else None
+        fed, starts, tables, flog = chunks, list(self.sched.starts), list(self.reserved.block_tables), nlog
+        if sib is not None:                 # sibling rows after the step's own (module docstring)
+            self.cache.copy_blocks(sib.copies)
+            fed = chunks + [[self.sched.chunk_ids[r][0], t] for r, t in zip(sib.rows, sib.tokens)]
+            starts, tables, flog = starts + sib.starts, tables + sib.tables, nlog + [1] * len(sib.rows)
+        logits = run_chunks(self.model, self.cache, self.block_size, fed, starts, tables, flog,
+                            self.capture)                                                 # [N, V]
+        feats = None
         if self.capture:
             logits, feats = logits                                                        # feats [T, nF*H]
-            self.buffers.put_features(self.sched.step, feats, tuple(map(len, chunks)))
         probs_q = self.buffers.take(drafted.handle) if drafted else {}
         toks, acc = self._decide_tokens(logits, nlog, drafts, probs_q, drafted.gamma if drafted else 0)
+        hits = self._take_siblings(sib, logits, sum(nlog), toks, acc, feats, chunks) if sib else ()
+        if feats is not None:
+            self.buffers.put_features(self.sched.step, feats, tuple(map(len, chunks)))
         dt = time.perf_counter() - t0
-        return self._results(toks, acc, drafted, dt, drafted is None and self._start_ahead(toks))
+        return self._results(toks, acc, drafted, dt, drafted is None and self._start_ahead(toks), hits)
+
+    # ---- draft tree (module docstring) -----------------------------------------------------------
+    def _sibling_rows(self, drafted: StepDrafted, drafts: list[list[int]]) -> SiblingRows | None:
+        """The step's sibling rows: greedy decode rows that drafted, while the scratch blocks last."""
+        s, r, bs = self.sched, self.reserved, self.block_size
+        w, out, scratch = len(drafted.siblings) // s.num_decode, SiblingRows(), list(r.scratch)
+        for row in range(s.num_decode):
+            m = self.mirrors.reqs.get(s.req_ids[row])
+            if not drafts[row] or m is None or not m.greedy or len(s.chunk_ids[row]) != 1:
+                continue
+            n, table = s.starts[row], r.block_tables[row]
+            for tok in drafted.siblings[row * w:(row + 1) * w]:
+                if tok < 0 or len(scratch) < 2:
+                    continue
+                a, b = scratch.pop(0), scratch.pop(0)
+                bn, bn1 = n // bs, (n + 1) // bs
+                out.rows.append(row)
+                out.tokens.append(tok)
+                out.starts.append(n)
+                out.tables.append(tuple(table[:bn]) + ((a,) if bn1 == bn else (a, b)))
+                own = (a if bn1 == bn else b) * bs + (n + 1) % bs
+                out.slots.append((own, table[bn1] * bs + (n + 1) % bs))
+                if n % bs:
+                    out.copies.append((table[bn], a))
+        return out if out.rows else None
+
+    @torch.inference_mode()               # feats is the forward's (an inference tensor), changed in place
+    def _take_siblings(self, sib: SiblingRows, logits, first: int, toks, acc, feats, chunks) -> tuple[int, ...]:
+        """Rows whose first draft missed and whose target token is one of their siblings take it and the token
+        after it (module docstring). ``first``: the sibling rows' first logits row. Returns tree_hits."""
+        nd = self.sched.num_decode
+        hits, moves = [0] * nd, []
+        row_off = [0]
+        for c in chunks:
+            row_off.append(row_off[-1] + len(c))
+        feat0 = row_off[-1]                                                  # sibling k's tokens: feat0 + 2k, +1
+        for k, (row, tok) in enumerate(zip(sib.rows, sib.tokens)):
+            if acc[row] or hits[row] or toks[row][0] != tok:
+                continue
+            hits[row], acc[row] = 1, 1
+            toks[row] = [tok, int(argmax_last(logits[first + k]))]
+            moves.append(sib.slots[k])
+            if feats is not None:
+                feats[row_off[row] + 1] = feats[feat0 + 2 * k + 1]
+        self.cache.copy_slots(moves)
+        return tuple(hits)
 
     # ---- run-ahead (module docstring) ------------------------------------------------------------
     def _start_ahead(self, toks: list[list[int]]) -> bool:
@@ -309,19 +383,20 @@ class Verifier(Actor):
             return int(seeded_scores_of(m, probs, m.num_output).argmax())
         return int(sample_from(probs, [m.gen])[0])
 
-    def _results(self, toks, acc, drafted, verify_time, ran_ahead: bool = False):
+    def _results(self, toks, acc, drafted, verify_time, ran_ahead: bool = False, hits: tuple[int, ...] = ()):
         s = self.sched
         gamma = drafted.gamma if drafted else 0
         gammas = drafted.gammas if drafted else ()
         flat = [t for row in toks for t in row]
-        per_pos = tuple(sum(1 for a in acc[: s.num_decode] if a > i) for i in range(gamma))
+        chain = [a - h for a, h in zip(acc, hits)] + acc[len(hits):] if hits else acc     # without sibling hits
+        per_pos = tuple(sum(1 for a in chain[: s.num_decode] if a > i) for i in range(gamma))
         verified = StepVerified(step=s.step, gamma=gamma, req_ids=s.req_ids, counts=tuple(map(len, toks)),
                                 tokens=tuple(flat), accepted=tuple(acc), num_decode=s.num_decode, gammas=gammas,
-                                ran_ahead=ran_ahead)
+                                ran_ahead=ran_ahead, tree_hits=hits)
         drafted_pp = reached_pp = ()
         if gammas:                       # per-row γ: who drafted / reached each position
             drafted_pp = tuple(sum(1 for g in gammas if g > i) for i in range(gamma))
-            reached_pp = tuple(sum(1 for g, a in zip(gammas, acc) if g > i and a >= i) for i in range(gamma))
+            reached_pp = tuple(sum(1 for g, a in zip(gammas, chain) if g > i and a >= i) for i in range(gamma))
         timed = StepTimed(
             step=s.step, batch_size=s.num_decode, gamma=gamma,
             step_time_s=verify_time + (drafted.draft_time_s if drafted else 0.0),
@@ -332,7 +407,7 @@ class Verifier(Actor):
                         sum(1 for i in range(s.num_decode) if s.speculate[i])) if gamma else 0,
             num_prefill_tokens=sum(len(c) for c in s.chunk_ids[s.num_decode:]),
             drafted_per_pos=drafted_pp, reached_per_pos=reached_pp,
-            draft_time_s=drafted.draft_time_s if drafted else 0.0,
+            draft_time_s=drafted.draft_time_s if drafted else 0.0, tree_hits=sum(hits),
         )
         return [verified, timed]
 

@@ -32,6 +32,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                                            # serves no I/O while one runs): for one client, not a server
     run_ahead: bool = True                 # with a compute thread: start the next γ = 0 decode step before this
                                            # one commits (actors/verifier.py)
+    draft_tree: int = 0                    # greedy rows of a draft head also send this many runner-up first drafts
+                                           # (siblings of d1), verified beside the chain (actors/verifier.py)
+    draft_tree_batch: int = 2              # the largest decode batch whose rows send siblings
     planner_profile: str | None = None     # a `nightjar profile` JSON for the planner's step times, "auto" (this
                                            # machine's cached one, measured on first use) or None (the prior)
     trace: str | None = None               # record every bus envelope to this file

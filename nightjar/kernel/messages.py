@@ -102,6 +102,7 @@ class BlocksReserved(Msg, frozen=True):
     num_total: int
     gammas: tuple[int, ...] = ()     # per decode row, capped like gamma (empty: batch-level, see StepPlanned)
     next_zero: bool = False          # StepPlanned.next_zero, with a slot reserved for each decode row's next token
+    scratch: tuple[int, ...] = ()    # γ > 0 with a draft tree: the blocks sibling rows may use (2 per sibling)
 
 
 class StepDrafted(Msg, frozen=True):
@@ -113,6 +114,7 @@ class StepDrafted(Msg, frozen=True):
     catchup_time_s: float = 0.0
     catchup_tokens: int = 0
     gammas: tuple[int, ...] = ()     # per decode row (empty: batch-level)
+    siblings: tuple[int, ...] = ()   # [num_decode * width] runner-up first drafts, -1 where none (draft tree)
 
 
 class StepVerified(Msg, frozen=True):
@@ -126,6 +128,7 @@ class StepVerified(Msg, frozen=True):
     num_decode: int
     gammas: tuple[int, ...] = ()     # per decode row γ_i drafted (empty: batch-level)
     ran_ahead: bool = False          # the verifier started the next step: its rows that go on, one token each
+    tree_hits: tuple[int, ...] = ()  # per decode row: 1 where a sibling was the target's token (counted in accepted)
 
 
 class StepTimed(Msg, frozen=True):
@@ -144,6 +147,7 @@ class StepTimed(Msg, frozen=True):
     drafted_per_pos: tuple[int, ...] = ()    # per-row γ only: rows that drafted position i (= ran pass i+1)
     reached_per_pos: tuple[int, ...] = ()    # per-row γ only: rows that drafted position i with 0..i-1 accepted
     draft_time_s: float = 0.0        # the draft passes' part of step_time_s (0: γ = 0, or a trace from before)
+    tree_hits: int = 0               # rows whose first draft missed and a sibling was the target's token
 
 
 class TokensCommitted(Msg, frozen=True):

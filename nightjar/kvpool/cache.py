@@ -243,13 +243,25 @@ class KVCache:
         raise IndexError(f"block {block} is outside the cache ({self.num_blocks} blocks)")
 
     def migrate(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy every (src, dst) block for all layers (pool shrink).
+        """Copy every (src, dst) block for all layers (pool shrink): ``copy_blocks``, and the blocks moved."""
+        self.generation += 1
+        self.copy_blocks(pairs)
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy K and V of every (src, dst) slot for all layers (a few slots: one copy each, any layout)."""
+        bs, bd = self.block_size, self._bdim
+        for src, dst in pairs:
+            (si, s), (di, d) = self._locate(src // bs), self._locate(dst // bs)
+            a = self.segments[si].data.select(bd, s).select(bd, src % bs)       # [L, 2, nkv, d]
+            self.segments[di].data.select(bd, d).select(bd, dst % bs).copy_(a)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every (src, dst) block for all layers.
 
         Pairs are grouped by (source segment, destination segment). Within one segment on CUDA, one
         launch of the Triton kernel (triton_kernels/block_migration.py); otherwise one gather and one
         scatter per group, whatever the number of blocks.
         """
-        self.generation += 1
         groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for src, dst in pairs:
             (si, s), (di, d) = self._locate(src), self._locate(dst)

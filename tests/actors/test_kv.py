@@ -65,3 +65,18 @@ def test_a_grow_waits_until_no_step_is_in_flight():
     out = kv.handle(TokensCommitted(step=1, req_ids=(1,), counts=(1,), tokens=(6,), num_computed=(6,),
                                     finish=(0,)), 0.0)
     assert [(type(m), m.delta) for m in out] == [(PoolResized, 2)] and alloc.num_total == 16
+
+
+def test_a_draft_tree_s_scratch_blocks_stay_held_and_are_named_in_drafting_steps_only():
+    from nightjar.actors.kv import SCRATCH_SEQ
+
+    kv = KVPoolActor(BlockAllocator(10, 4), scratch_blocks=4)
+    assert kv.alloc.num_free == 6 and len(kv.alloc.block_table(SCRATCH_SEQ)) == 4
+    kv.handle(step([(1, 5, (9,))], num_decode=1), 0.0)
+    (res,) = kv.handle(StepPlanned(step=1, gamma=2), 0.0)
+    assert res.scratch == kv.alloc.block_table(SCRATCH_SEQ) and not set(res.scratch) & set(res.block_tables[0])
+    kv.handle(TokensCommitted(step=1, req_ids=(1,), counts=(1,), tokens=(3,), num_computed=(6,), finish=(1,)), 0.0)
+    kv.handle(ReleaseBlocks(req_ids=(1,)), 0.0)
+    kv.handle(step([(2, 5, (9,))], num_decode=1), 0.0)
+    (res,) = kv.handle(StepPlanned(step=1, gamma=0), 0.0)
+    assert res.scratch == () and kv.alloc.has_seq(SCRATCH_SEQ)

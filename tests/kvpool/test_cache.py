@@ -112,3 +112,21 @@ def test_a_pool_with_a_reserve_grows_in_place_and_reads_as_one_cache(head_major)
     assert grown.segments[1].data.abs().sum() == 0                       # regrown blocks start zeroed
     one = KVCache(2, 2, 4, 4, 8, torch.float32, head_major=head_major)
     same()
+
+
+@LAYOUTS
+def test_copy_blocks_and_copy_slots_copy_every_layer_across_segments_and_move_nothing_else(head_major):
+    cache = KVCache(3, 2, 4, 4, num_blocks=3, dtype=torch.float32, head_major=head_major)
+    cache.add_segment(2)
+    rows = filled(cache, seed=2)
+    gen = cache.generation
+    cache.copy_blocks([(4, 0)])                                           # segment 1 -> segment 0
+    cache.copy_slots([(1, 19), (13, 6)])                                  # slot -> slot, both ways
+    assert cache.generation == gen                                        # a copy moves no live block
+    want = dict(rows)
+    want.update({o: rows[16 + o] for o in range(4)})
+    want[19], want[6] = want[1], rows[13]                                # slot 1 holds block 4's by now
+    for layer in range(3):
+        k, v = cache.gather(layer, torch.arange(5)[None])                 # [1, 20, nkv, d]
+        for s in range(20):
+            assert torch.allclose(k[0, s], want[s] - 1 + layer) and torch.allclose(v[0, s], 1 - want[s])
