@@ -35,6 +35,9 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
   in the closed loop's steady state (rows weighted by their realised tokens per step). Not drafting at all is
   priced without optimism (its arm is rarely played when some row drafts); switching on or off needs a
   ``hysteresis`` margin; the memory term still credits γ=0.
+* **Draft tree** (``--draft-tree``): a drafting row that takes a runner-up first draft emits one token more
+  (actors/verifier.py). Per bucket the discounted share of drafting rows that did (``tree_rate``) is added to
+  E⁺(γ) of every γ > 0; it stays 0 where no row sends runner-ups (no tree, or a batch above its limit).
 * **Memory** (``elastic_memory`` only): when requests wait and the pool cannot take one more, γ=0 is
   credited with the batch the draft's blocks would admit: loss(0) = min(loss(0), T̂(B', 0) / B'),
   B' = B + min(waiting, draft_blocks / blocks-per-request, max_batch − B). The weight mover offloads
@@ -250,6 +253,22 @@ class ModelNightjarPolicy(Policy):
         self._tt: list[list[float]] = []         # target(n, q) for q = 0..Γmax+1, per n (per-row allocator)
         self._dt: list[float] = []               # draft(n)
         self.row_decisions = 0
+        self._shapes: set[tuple[int, int]] = set()         # (B, γ) whose first step was seen (``_learn_time``)
+        self._tree: dict[int, tuple[float, float]] = {}     # per bucket: discounted (tree hits, drafting rows)
+        self._tree_d = 1.0 - 1.0 / accept_window
+
+    def tree_rate(self, c: int) -> float:
+        """Share of drafting rows in bucket ``c`` that took a runner-up first draft (draft tree), discounted."""
+        hits, rows = self._tree.get(c, (0.0, 0.0))
+        return hits / rows if rows > 0 else 0.0
+
+    def _learn_tree(self, r: StepTimed) -> None:
+        n = r.num_drafts or r.batch_size
+        c = bucket(r.batch_size)
+        if r.tree_hits or c in self._tree:
+            hits, rows = self._tree.get(c, (0.0, 0.0))
+            f = self._tree_d ** n
+            self._tree[c] = (f * hits + r.tree_hits, f * rows + n)
 
     def set_profile(self, profile: Any, scale: float = 1.0) -> None:
         """Use ``profile`` (times multiplied by ``scale``) as the step-time model from now on."""
@@ -366,8 +385,11 @@ class ModelNightjarPolicy(Policy):
         it (``_renormalise``)."""
         if pooled is None:
             return 1.0
-        k = self.prior_w
-        return (k + pooled[1] - arm.s) / (k + pooled[0] - arm.w)
+        k, w, s = self.prior_w, pooled[0] - arm.w, pooled[1] - arm.s
+        if w <= 1e-9:                   # a bucket with no data yet: what every bucket measured (the level and
+            w = sum(a.w for arms in self._arms for a in arms)       # the corrections are only known as a
+            s = sum(a.s for arms in self._arms for a in arms)       # product: the level alone can be 7 % off)
+        return (k + s) / (k + w)
 
     def _time(self, arm: _Arm, base: float) -> tuple[float, float]:
         """Correction = (k·m + Σ ratio) / (k + w): k = ``prior_weight`` pseudo-samples at the bucket's
@@ -440,9 +462,10 @@ class ModelNightjarPolicy(Policy):
         if self.profile is None:
             _extrapolate(ts, arms)
         scores = [ts[0][0] * (1.0 - z * ts[0][1]) / b]
+        tree = self.tree_rate(c)
         for g in range(1, self.gamma_max + 1):
             t, se = ts[g]
-            scores.append((t * (1.0 - z * se) + extra) / (b * e_hi[g]))
+            scores.append((t * (1.0 - z * se) + extra) / (b * (e_hi[g] + tree)))
         if self.kv_cost and self.elastic_memory:
             scores[0] = min(scores[0], self._kv_alt(b, state))
         self.last_scores = scores
@@ -588,6 +611,7 @@ class ModelNightjarPolicy(Policy):
             self._run += 1
             if r.accepted_per_pos:
                 self.accept.observe(r.accepted_per_pos, r.num_drafts or r.batch_size, r.reached_per_pos)
+            self._learn_tree(r)
         elif self._run:
             self.dwell = min(512.0, max(16.0, 0.9 * self.dwell + 0.1 * self._run))
             self._run = 0
@@ -607,6 +631,10 @@ class ModelNightjarPolicy(Policy):
         b, g = r.batch_size, r.gamma
         arm = self._ctx(bucket(b))[g]                 # first: the base's draft part reads the bucket's level
         base = self.mixed_base(b, r.drafted_per_pos) if r.drafted_per_pos else self.base_row(b)[g]
+        if (b, g) not in self._shapes:
+            self._shapes.add((b, g))
+            if self._cold(arm, base, t):
+                return
         if r.num_prefill_tokens > 0:
             if self._level() <= 0.0:
                 return
@@ -632,6 +660,12 @@ class ModelNightjarPolicy(Policy):
         arm.s = d * arm.s + ratio
         if self.profile is None:
             self._renormalise(self._arms[c])
+
+    def _cold(self, arm: _Arm, base: float, t: float) -> bool:
+        """A shape's first step pays one-off kernel set-up (oneDNN primitives, allocations): on the real pair
+        the first γ = 1, 2, 3 steps at B = 1 took 1.3-2.3x the steady time and kept the planner off γ = 2 and 3
+        for ~70 steps. Not learnt when it is the first step of all or slower than predicted by 20 %."""
+        return self._level() <= 0.0 or t > 1.2 * self._time(arm, base)[0]
 
     def _renormalise(self, arms: list[_Arm]) -> None:
         """Without a profile: fold the bucket's mean correction into its level, so an arm with no
@@ -671,4 +705,5 @@ class ModelNightjarPolicy(Policy):
                 "accept_alarms": self.accept.alarms, "dwell": self.dwell,
                 "prefill_s_per_token": self.pf_nx / self.pf_xx if self.pf_xx else None,
                 "c_switch": None if ab is None else list(ab), "contexts": ctxs,
-                "decisions": self.decisions, "kv_decisions": self.kv_decisions, "per_request": self.per_request}
+                "decisions": self.decisions, "kv_decisions": self.kv_decisions, "per_request": self.per_request,
+                "tree_rate": {bucket_label(c): self.tree_rate(c) for c in sorted(self._tree)}}
