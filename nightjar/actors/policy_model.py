@@ -388,7 +388,7 @@ class ModelNightjarPolicy(Policy):
         k, w, s = self.prior_w, pooled[0] - arm.w, pooled[1] - arm.s
         if w <= 1e-9:                   # a bucket with no data yet: what every bucket measured (the level and
             w = sum(a.w for arms in self._arms for a in arms)       # the corrections are only known as a
-            s = sum(a.s for arms in self._arms for a in arms)       # product: the level alone can be 7 % off)
+            s = sum(a.s for arms in self._arms for a in arms)       # product: the level alone was 9 % off)
         return (k + s) / (k + w)
 
     def _time(self, arm: _Arm, base: float) -> tuple[float, float]:
