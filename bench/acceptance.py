@@ -30,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+from nightjar.config_check import MAX_TREE
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepDrafted, StepTimed
 from nightjar.kernel.threads import on_fresh_thread
@@ -201,10 +202,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft-tree", default="", metavar="K,..", help="also measure heads with these tree widths")
     a = ap.parse_args(argv)
     try:
-        if any(not 1 <= k <= 8 for k in trees_of(a)):
+        if any(not 1 <= k <= MAX_TREE for k in trees_of(a)):
             raise ValueError
     except ValueError:
-        ap.error(f"argument --draft-tree: widths 1..8, comma-separated; got {a.draft_tree!r}")
+        ap.error(f"argument --draft-tree: widths 1..{MAX_TREE}, comma-separated; got {a.draft_tree!r}")
     prompts = read_prompts(a.prompts, a.limit)
     # loaded on a thread that exits: torch work on this (main) thread would leave an OpenMP team beside each
     # engine's compute thread and every forward would run ~2x slower (nightjar/kernel/threads.py)
