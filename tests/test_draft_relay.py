@@ -1,6 +1,8 @@
 """The draft executor hands its StepDrafted straight to the verifier on the compute thread (kernel/actor.py
-relay, actors/verifier.py accepts_relay): drafting steps skip two hops through the event loop. Tokens stay the
-serial path's, with an independent draft and a head, on a compute thread and inline, and the steps are relayed."""
+relay, actors/verifier.py accepts_relay), and a head's executor takes the verifier's StepVerified back in the
+same call: drafting steps skip two hops through the event loop, and the head's features need no job of their
+own. Tokens stay the serial path's, with an independent draft and a head, on a compute thread and inline, and
+the steps are relayed."""
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +52,9 @@ def test_relayed_drafting_steps_give_off_s_tokens(make_engine, smol_tokenizer, h
 
 @pytest.mark.parametrize("inline", [False, True])
 def test_relayed_steps_still_store_the_head_s_features(make_engine, smol_tokenizer, inline):
-    """The head executor stores the target's features from the StepVerified of a relayed step (through its
-    mailbox): an oracle head, accepted only when its features sit at the right positions, stays accepted."""
+    """The head executor stores the target's features from the StepVerified of a relayed step, which it takes
+    back from the verifier in the same call (kernel/actor.py): an oracle head, accepted only when its features
+    sit at the right positions, stays accepted."""
     from tests.actors.test_draft_head import repeat_pair
 
     pair = repeat_pair(smol_tokenizer)
@@ -62,7 +65,8 @@ def test_relayed_steps_still_store_the_head_s_features(make_engine, smol_tokeniz
     async def main():
         async with make_engine("fixed:3", pair=pair, max_num_seqs=4, inline_compute=inline) as eng:
             res = await run_all(eng, prompts, params, stagger=0)
-            return res, eng.stats, next(a for a in eng.actors if a.name == "verifier").drafts_relayed
-    got, stats, relayed = asyncio.run(main())
-    assert got == ref and relayed > 5
+            by_name = {a.name: a for a in eng.actors}
+            return res, eng.stats, by_name["verifier"].drafts_relayed, by_name["draft"].verified_relayed
+    got, stats, relayed, taken_back = asyncio.run(main())
+    assert got == ref and relayed > 5 and taken_back >= 0.8 * relayed
     assert stats.accepted_tokens >= 0.8 * stats.draft_tokens

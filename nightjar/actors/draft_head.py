@@ -65,6 +65,16 @@ class HeadDraftExecutor(DraftExecutor):
         self.ctx: dict[int, HeadContext] = {}
         self.tree, self.tree_batch = tree, tree_batch
         self.scratch: tuple[int, ...] = ()
+        self.verified_relayed = 0                 # StepVerified taken back from the verifier (accepts_relay)
+
+    def accepts_relay(self, msg) -> bool:
+        """The verifier's StepVerified of the step this executor drafted, taken back in the same call on the
+        compute thread (kernel/actor.py) when nothing waits in the mailbox: the features are stored before the
+        call returns, not in a job of their own after the step commits."""
+        ok = (isinstance(msg, StepVerified) and self.sched is not None and msg.step == self.sched.step
+              and not len(self.mailbox))
+        self.verified_relayed += ok
+        return ok
 
     def handle(self, msg, now):
         match msg:

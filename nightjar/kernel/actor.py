@@ -3,9 +3,11 @@
 Relay: an actor may name another (``relay_to``) that takes some of its outputs in the same call, on the same
 thread, when that actor says it is ready for one (``accepts_relay``): a blocking actor's message to the next
 blocking actor then skips the two hops through the event loop (compute thread -> loop -> compute thread).
-Everything is still published, in the order the two would have published it (the relaying actor's outputs,
-then the relayed actor's), under each actor's own name, and a relayed message is not posted to the mailbox of
-the actor that has handled it.
+The relaying actor may take back, the same way, outputs of the relayed one that it accepts (``accepts_relay``):
+a draft executor hands its drafts to the verifier and takes the verifier's StepVerified in the same call (three
+stages at most: relaying actor, relayed actor, relaying actor). Everything is still published, in the order the
+actors would have published it (each stage's outputs after the previous stage's), under each actor's own name,
+and a relayed message is not posted to the mailbox of the actor that has handled it.
 
 Crash-only: an exception in ``handle`` ends the actor's task, and the supervisor stops the engine.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from nightjar.kernel.bus import Bus, Envelope, Mailbox
@@ -23,6 +26,14 @@ class ActorError(RuntimeError):
     def __init__(self, actor: str, cause: BaseException):
         super().__init__(f"actor {actor!r} failed: {type(cause).__name__}: {cause}")
         self.actor, self.cause = actor, cause
+
+
+@dataclass(slots=True)
+class Stage:
+    """One actor's outputs in a relayed call; ``taken``: the indices of those the next stage's actor handled."""
+    actor: Actor
+    out: list[Msg]
+    taken: list[int] = field(default_factory=list)
 
 
 class Actor:
@@ -61,31 +72,36 @@ class Actor:
                 out.extend(res)
         return out
 
-    def _handle_and_relay(self, envs: list[Envelope]) -> tuple[list[Msg], list[tuple[int, list[Msg]]]]:
-        """handle_batch, then the relay target's outputs for each output it accepts: [(index in out, its
-        outputs)]."""
-        out = self.handle_batch(envs)
-        to, relayed = self.relay_to, []
-        if to is not None:
-            for i, msg in enumerate(out):
+    def _handle_and_relay(self, envs: list[Envelope]) -> list[Stage]:
+        """handle_batch, then the relay target's outputs for each output it accepts, then this actor's own for
+        each of those it takes back (module docstring): one Stage per actor that ran, in order."""
+        stages = [Stage(self, self.handle_batch(envs))]
+        to = self.relay_to
+        while to is not None and len(stages) < 3:         # this actor -> relay_to -> this actor, at most
+            cur, nxt = stages[-1], Stage(to, [])
+            for i, msg in enumerate(cur.out):
                 if to.accepts_relay(msg):
+                    cur.taken.append(i)
                     try:
-                        relayed.append((i, to.handle(msg, self.bus.clock.now()) or []))
+                        nxt.out.extend(to.handle(msg, self.bus.clock.now()) or [])
                     except Exception as e:
                         raise ActorError(to.name, e) from e
-        return out, relayed
+            if not cur.taken:
+                break
+            stages.append(nxt)
+            to = cur.actor
+        return stages
 
-    def _publish(self, out: list[Msg], relayed: list[tuple[int, list[Msg]]]) -> None:
-        if not relayed:
-            self.bus.publish(self.name, out)
-            return
-        to, done = self.relay_to, {i for i, _ in relayed}
-        for i, msg in enumerate(out):
-            self.bus.publish(self.name, (msg,), skip=to.mailbox if i in done else None)
-            if i in done:
-                to.last_seq = self.bus.seq                  # the relayed message's envelope (trace footers)
-        for _, msgs in relayed:
-            self.bus.publish(to.name, msgs)
+    def _publish(self, stages: list[Stage]) -> None:
+        for cur, nxt in zip(stages, stages[1:] + [None]):
+            if nxt is None:
+                self.bus.publish(cur.actor.name, cur.out)
+                continue
+            taken = set(cur.taken)
+            for i, msg in enumerate(cur.out):
+                self.bus.publish(cur.actor.name, (msg,), skip=nxt.actor.mailbox if i in taken else None)
+                if i in taken:
+                    nxt.actor.last_seq = self.bus.seq       # the relayed message's envelope (trace footers)
 
     async def run(self, executor: Executor | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -94,11 +110,11 @@ class Actor:
             envs = await self.mailbox.get_all()
             try:
                 if self.blocking and executor is not None:
-                    out, relayed = await loop.run_in_executor(executor, self._handle_and_relay, envs)
+                    stages = await loop.run_in_executor(executor, self._handle_and_relay, envs)
                 else:
-                    out, relayed = self._handle_and_relay(envs)
+                    stages = self._handle_and_relay(envs)
             except ActorError:
                 raise
             except Exception as e:  # crash-only: the supervisor stops everything
                 raise ActorError(self.name, e) from e
-            self._publish(out, relayed)
+            self._publish(stages)

@@ -336,3 +336,60 @@ async def test_an_exception_in_the_relay_target_ends_the_task_naming_the_target(
     err = next(r for r in res if isinstance(r, ActorError))
     assert err.actor == "b" and isinstance(err.cause, ValueError)
     assert not any(isinstance(e.msg, (ReleaseBlocks, AbortRequest)) for e in seen)   # nothing of that batch
+
+
+class TakesBack(BlockingRecorder):
+    """Relays to ``b`` and takes b's AbortRequest answers back in the same job; with ``echo`` it answers each
+    with a ReleaseBlocks that ``b`` would accept too (a fourth stage, which the kernel does not run)."""
+    def __init__(self, echo: bool = False):
+        super().__init__()
+        self.echo, self.took = echo, 0
+
+    def accepts_relay(self, msg):
+        ok = isinstance(msg, AbortRequest) and not len(self.mailbox)
+        self.took += ok
+        return ok
+
+    def handle(self, msg, now):
+        out = super().handle(msg, now)
+        if self.echo and isinstance(msg, AbortRequest):
+            self.echo = False                                      # once: b's next answer is not echoed
+            return [ReleaseBlocks(req_ids=(msg.req_id,))]
+        return out
+
+
+async def taken_back_run(a: TakesBack, b: Relayed):
+    bus, seen = wired(a)
+    b.attach(bus)
+    a.relay_to = b
+    with ThreadPoolExecutor(1, thread_name_prefix="test-compute") as ex:
+        tasks = [asyncio.ensure_future(x.run(ex)) for x in (a, b)]
+        bus.publish("test", [StepPlanned(step=1, gamma=0)])
+        want = 2 if a.echo else 1                                  # read before the echo turns itself off
+        await until(lambda: len(b.handled) == want or any(t.done() for t in tasks), "b's answers")
+        await until(lambda: sum(isinstance(e.msg, AbortRequest) for e in seen) == want, "b's answers published")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return seen
+
+
+async def test_the_relaying_actor_takes_back_what_it_accepts_of_the_relayed_actor_s_outputs():
+    a, b = TakesBack(), Relayed()
+    seen = await taken_back_run(a, b)
+    flow = [(e.src, type(e.msg).__name__) for e in seen if not isinstance(e.msg, EngineStopping)]
+    assert flow == [("test", "StepPlanned"), ("recorder", "ReleaseBlocks"), ("b", "AbortRequest")]
+    assert [type(m).__name__ for m, _ in a.handled] == ["StepPlanned", "AbortRequest"] and a.took == 1
+    assert len(a.mailbox) == 0 and b.batches == 0                 # neither went through a mailbox
+    assert a.threads == b.threads and next(iter(a.threads)).startswith("test-compute")
+    assert a.last_seq == next(e.seq for e in seen if isinstance(e.msg, AbortRequest))
+
+
+async def test_a_relay_runs_three_stages_at_most_and_the_fourth_goes_through_the_mailbox():
+    a, b = TakesBack(echo=True), Relayed()
+    seen = await taken_back_run(a, b)
+    flow = [(e.src, type(e.msg).__name__) for e in seen if not isinstance(e.msg, EngineStopping)]
+    assert flow[:4] == [("test", "StepPlanned"), ("recorder", "ReleaseBlocks"), ("b", "AbortRequest"),
+                        ("recorder", "ReleaseBlocks")]
+    assert b.batches == 1                                         # the echo reached b through its mailbox
+    assert [m.req_ids for m, _ in b.handled] == [(1,), (10,)]
