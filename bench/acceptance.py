@@ -35,7 +35,7 @@ from nightjar.engine import Engine
 from nightjar.kernel.messages import StepDrafted, StepTimed
 from nightjar.kernel.threads import on_fresh_thread
 from nightjar.models.eagle import is_head
-from nightjar.models.quant import load_quantized
+from nightjar.models.quant import draft_mode, load_quantized
 from nightjar.sampling import SamplingParams
 
 
@@ -170,10 +170,11 @@ def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
     return med, {k: round(statistics.median(v), 4) for k, v in zero_cost.items()}
 
 
-def load_draft_spec(spec: str, target, dtype: str):
-    """NAME or NAME@MODE (weight-only quantization of the draft's layers, models/quant.py)."""
+def load_draft_spec(spec: str, target, dtype: str, quantization: str):
+    """NAME or NAME@MODE (weight-only quantization of the draft's layers, models/quant.py; without one, the
+    engine's default for a target of that ``quantization``)."""
     name, _, mode = spec.partition("@")
-    return load_quantized(name, dtype, "cpu", mode or "none", draft_for=target.config)
+    return load_quantized(name, dtype, "cpu", draft_mode(quantization, mode or None), draft_for=target.config)
 
 
 def summarize(name: str, med: dict, gamma: int, suffix: str = "") -> dict:
@@ -190,7 +191,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="default", help="comma-separated drafts (models or head directories); "
-                    "NAME@MODE quantizes one (int8, int4), e.g. default,default@int4")
+                    "NAME@MODE quantizes one (none, int8, int4, mixed; without: as the engine does), "
+                    "e.g. default,default@int4")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="the target's")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
@@ -210,7 +212,8 @@ def main(argv=None) -> dict:
     # loaded on a thread that exits: torch work on this (main) thread would leave an OpenMP team beside each
     # engine's compute thread and every forward would run ~2x slower (nightjar/kernel/threads.py)
     target = on_fresh_thread(load_quantized, a.model, a.dtype, "cpu", a.quantization)
-    pairs = {d: (target, on_fresh_thread(load_draft_spec, d, target, a.dtype)) for d in a.draft.split(",")}
+    pairs = {d: (target, on_fresh_thread(load_draft_spec, d, target, a.dtype, a.quantization))
+             for d in a.draft.split(",")}
     result = {"prompts": len(prompts), "gamma": a.gamma, "drafts": {}}
     for name, pair in pairs.items():
         r = acceptance(pair, a, prompts)

@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 from nightjar.profile_cache import cached_profile
                 a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size, a.device,
                                                    log=lambda s: print(s, file=sys.stderr),
-                                                   quantization=a.quantization)
+                                                   quantization=a.quantization,
+                                                   draft_quantization=a.draft_quantization)
             check_config(EngineConfig(**engine_kwargs(a)))
         return a.func(a) or 0
     except ConfigError as e:

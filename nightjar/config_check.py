@@ -49,10 +49,10 @@ def _dtype_device(c: EngineConfig) -> None:
         raise ConfigError("device", f"'cpu' or 'cuda[:N]', got {c.device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", "cuda was asked for but this machine has no CUDA device")
-    for name in ("quantization", "draft_quantization"):
+    for name, modes in (("quantization", QUANTIZATIONS), ("draft_quantization", QUANTIZATIONS + ("mixed",))):
         mode = getattr(c, name)
-        if mode is not None and mode not in QUANTIZATIONS:
-            raise ConfigError(name, f"choose from {', '.join(QUANTIZATIONS)}; got {mode!r}")
+        if mode is not None and mode not in modes:
+            raise ConfigError(name, f"choose from {', '.join(modes)}; got {mode!r}")
         if mode not in (None, "none") and dev.type != "cpu":
             raise ConfigError(name, f"{mode} runs on CPU only (torch's packed CPU kernels); use none on {c.device}")
     if not isinstance(c.enforce_eager, bool):

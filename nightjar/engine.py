@@ -39,7 +39,7 @@ from nightjar.models import LoadedModel
 from nightjar.models.cuda_graph import attach_graphs, detach_graphs
 from nightjar.models.eagle import is_head
 from nightjar.models.llama import kv_head_major
-from nightjar.models.quant import load_quantized
+from nightjar.models.quant import draft_mode, load_quantized
 from nightjar.sampling import ConfigError, EngineError, RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger("nightjar")
@@ -203,7 +203,8 @@ class Engine:
 
         c = self.config
         return cached_profile(c.model, c.draft, c.dtype, c.block_size, c.device, log=log.info,
-                              quantization=c.quantization)
+                              quantization=c.quantization,
+                              draft_quantization=draft_mode(c.quantization, c.draft_quantization))
 
     def _load(self) -> tuple[LoadedModel, LoadedModel | None]:
         c = self.config
@@ -212,7 +213,7 @@ class Engine:
         target = _load_or_explain("model", c.model, lambda: load_quantized(c.model, c.dtype, c.device, c.quantization))
         if c.policy == "off":
             return target, None
-        dq = c.quantization if c.draft_quantization is None else c.draft_quantization
+        dq = draft_mode(c.quantization, c.draft_quantization)
         return target, _load_or_explain("draft", c.draft, lambda: load_quantized(
             c.draft, c.dtype, c.device, dq, draft_for=target.config, seed=c.seed))
 

@@ -23,8 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
     g.add_argument("--quantization", default=d.quantization, choices=["none", "int8", "int4"],
                    help="weight-only quantization of the target's layers (CPU only; docs/quantization.md)")
-    g.add_argument("--draft-quantization", default=d.draft_quantization, choices=["none", "int8", "int4"],
-                   help="the draft's quantization (default: as --quantization)")
+    g.add_argument("--draft-quantization", default=d.draft_quantization, choices=["none", "int8", "int4", "mixed"],
+                   help="the draft's quantization (default: as --quantization; beside an unquantized target, "
+                   "mixed: int8 copies of its bf16 layers serve calls of up to 3 rows; docs/quantization.md)")
     g.add_argument("--device", default=d.device, help="cpu or cuda")
     g.add_argument("--device-memory", type=float, default=d.device_memory,
                    help="memory budget for weights + KV: bytes (>1) or a fraction of the device (<=1)")

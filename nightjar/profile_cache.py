@@ -28,25 +28,31 @@ from nightjar.sampling import ConfigError
 # 9: int4 layers on the fused int4_linear up to 128 rows, verify steps at a few rows far cheaper;
 # 10: fused paged attention in tasks of 64 positions (0.55-0.81x its time), int4 layers' Python glue cut:
 # int4 B = 1 steps ~12 % faster, B = 16 verify steps ~15 %; 11: a draft head quantized with --draft-quantization,
-# its pass at B = 1 1.41 -> 0.70 ms with int4),
+# its pass at B = 1 1.41 -> 0.70 ms with int4; 12: the draft's quantization in the key, a bf16 target's draft
+# mixed by default: int8 copies for calls of few rows, models/quant.py),
 # so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
 # ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) is part of the key too.
-KERNELS_VERSION = 11
+KERNELS_VERSION = 12
 
 
-def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none") -> Path:
-    """Where the planner profile of this model, draft, dtype, quantization and device on this machine is
+def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none",
+               draft_quantization: str | None = None) -> Path:
+    """Where the planner profile of this model, draft, dtype, quantization (the draft's as resolved by
+    models/quant.py ``draft_mode``) and device on this machine is
     cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``). A shipped drafter's name
     ("default") is keyed by the drafter it names, so that another default is measured anew."""
     from nightjar.models import NAMED_DRAFTS, parse_dtype
     from nightjar.models.llama import use_cpu_fused
+    from nightjar.models.quant import draft_mode
 
     draft = f"shipped:{NAMED_DRAFTS[draft].name}" if draft in NAMED_DRAFTS else draft
     root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     fused = device.startswith("cpu") and use_cpu_fused(torch.device("cpu"), parse_dtype(dtype))
     machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}|{fused}"
-    key = hashlib.sha256(f"{model}|{draft}|{dtype}|{quantization}|{KERNELS_VERSION}|{machine}".encode()).hexdigest()
+    dq = draft_mode(quantization, draft_quantization)
+    spec = f"{model}|{draft}|{dtype}|{quantization}|{dq}|{KERNELS_VERSION}|{machine}"
+    key = hashlib.sha256(spec.encode()).hexdigest()
     quant = "" if quantization == "none" else f"-{quantization}"
     return root / f"{Path(str(model)).stem}-{dtype}{quant}-{key[:16]}.json"
 
@@ -68,14 +74,18 @@ def measure(argv: list[str]) -> None:
 
 
 def cached_profile(model: str, draft: str | None, dtype: str, block_size: int = 16, device: str = "cpu",
-                   log=print, quantization: str = "none") -> str:
+                   log=print, quantization: str = "none", draft_quantization: str | None = None) -> str:
     """The cached profile's path, measured first (``--quick``, no engine run) when there is none."""
-    path = cache_path(model, draft, dtype, device, quantization)
+    from nightjar.models.quant import draft_mode
+
+    dq = draft_mode(quantization, draft_quantization)
+    path = cache_path(model, draft, dtype, device, quantization, dq)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         log(f"no planner profile for {model} ({dtype}, {quantization}, {device}) on this machine: "
             f"measuring one into {path}")
         measure(["--model", str(model), "--draft", str(draft or "none"), "--dtype", dtype, "--device", device,
-                 "--quantization", quantization, "--block-size", str(block_size), "--quick", "--no-engine",
+                 "--quantization", quantization, "--draft-quantization", dq, "--block-size", str(block_size),
+                 "--quick", "--no-engine",
                  "--out", str(path)])
     return str(path)

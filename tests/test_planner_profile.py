@@ -57,7 +57,7 @@ def fake_measure(monkeypatch, tmp_path):
     return runs
 
 
-def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_machine(fake_measure, tmp_path):
+def test_the_auto_profile_is_measured_once_per_model_dtype_quantizations_and_machine(fake_measure, tmp_path):
     from nightjar import profile_cache as prof
 
     runs = fake_measure
@@ -68,6 +68,10 @@ def test_the_auto_profile_is_measured_once_per_model_dtype_quantization_and_mach
     assert a == b != c != d != a and len(runs) == 3 and a.startswith(str(tmp_path))
     assert "--quick" in runs[0] and runs[0][runs[0].index("--dtype") + 1] == "bfloat16"
     assert runs[2][runs[2].index("--quantization") + 1] == "int4"       # measured with the int4 kernels
+    flag = lambda run: run[run.index("--draft-quantization") + 1]          # noqa: E731
+    assert flag(runs[0]) == "mixed" and flag(runs[2]) == "int4"          # the draft as the engine loads it
+    e = prof.cached_profile("smollm2-135m", "default", "bfloat16", log=lambda s: None, draft_quantization="none")
+    assert e != a and len(runs) == 4 and flag(runs[3]) == "none"
 
 
 def test_the_profile_of_a_shipped_drafter_name_is_keyed_by_the_drafter_it_names(monkeypatch, tmp_path):

@@ -11,7 +11,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     gamma_max: int = 4
     dtype: str = "bfloat16"
     quantization: str = "none"             # weight-only: none, int8, int4 (CPU; the target's layers)
-    draft_quantization: str | None = None  # the draft's; None: as ``quantization``
+    draft_quantization: str | None = None  # the draft's; None: as ``quantization``, "mixed" beside "none"
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None          # explicit pool size (overrides the memory budget)

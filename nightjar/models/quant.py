@@ -23,6 +23,12 @@ its time grows far more slowly in M, and a row's outputs never depend on the ste
 The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per row) run by the fused CPU op
 ``int8_linear``, whose rows never depend on the step's other rows; where that op does not build, the head
 stays in the model's dtype (docs/quantization.md has the measurements).
+
+A draft may also be ``mixed`` (the default for a draft beside an unquantized target): its bf16 oneDNN-packed
+layers each get an int8 copy that serves calls of up to ``MIXED_MAX_ROWS`` rows (RowSplitLinear), where
+streaming half the bytes wins; bf16 serves larger calls, where the int8 kernels' time grows with rows. A
+draft's outputs may then depend on how many rows a call has: drafts change how many tokens a verify accepts,
+never which tokens it emits.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ from torch import nn
 from nightjar.models import cpu_fused
 
 MODES = ("none", "int8", "int4")
+DRAFT_MODES = MODES + ("mixed",)
+MIXED_MAX_ROWS = 3         # a mixed draft's int8 copies serve calls of up to this many rows (docs/quantization.md)
 INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 64 (K % group == 0)
 PACKED_MAX_ROWS = {"int8": 16, "int4": 48}   # rows up to which the packed kernel beats dequantize + GEMM
                                             # (bench/quant_quality.py --sections kernels; docs/quantization.md)
@@ -277,6 +285,44 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP, he
     return len(swaps)
 
 
+class RowSplitLinear(nn.Module):
+    """A mixed draft's layer (module docstring): ``small`` (int8: QuantLinear, or QuantHead for the LM head) for
+    calls of up to ``max_rows`` rows, ``large`` (the bf16 MirroredPackedLinear, whose plain weight the weight
+    mover moves) beyond."""
+
+    def __init__(self, small: nn.Module, large: nn.Module, max_rows: int = MIXED_MAX_ROWS):
+        super().__init__()
+        self.small, self.large, self.max_rows = small, large, max_rows
+        self.in_features, self.out_features = large.in_features, large.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] bf16 -> [..., out] (bf16; fp32 from an int8 LM head)."""
+        return self.small(x) if x.numel() <= self.max_rows * self.in_features else self.large(x)
+
+
+def mix_int8(model: nn.Module) -> int:
+    """Give each of a draft's oneDNN-packed bf16 layers an int8 copy for calls of few rows (RowSplitLinear);
+    the LM head's is a QuantHead where the fused CPU ops build. Returns how many layers."""
+    from nightjar.models.cpu_linear import MirroredPackedLinear
+
+    head = getattr(model, "lm_head", None)
+    swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, MirroredPackedLinear)
+             and (m is not head or cpu_fused.available())]
+    for name, m in swaps:
+        w = m.weight.detach()                                                  # [out, in] bf16
+        small = QuantHead.from_weight(w.float()) if m is head else QuantLinear.from_weight(w, "int8")
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, RowSplitLinear(small, m))
+    return len(swaps)
+
+
+def draft_mode(quantization: str, draft_quantization: str | None) -> str:
+    """The draft's quantization: as asked, else the target's, else ``mixed`` (module docstring)."""
+    if draft_quantization is not None:
+        return draft_quantization
+    return quantization if quantization != "none" else "mixed"
+
+
 def quantized_modes(model: nn.Module) -> set[str]:
     return {m.mode for m in model.modules() if isinstance(m, QuantLinear)}
 
@@ -298,9 +344,17 @@ def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft
     """Load a target (``draft_for=None``) or a draft for ``draft_for`` (a ModelConfig) with weight-only
     ``mode`` quantization of its layers: loaded in fp32 (so int4 recovers a Q4_0/Q4_1 file's own codes),
     quantized, then cast to ``dtype``. The LM head is then oneDNN-packed where that applies (mirrored for a
-    draft: its plain weights stay the parameters the weight mover moves)."""
+    draft: its plain weights stay the parameters the weight mover moves). A draft's ``mixed``: loaded as it is,
+    then ``mix_int8``."""
     from nightjar.models import load_draft, load_model, parse_dtype
 
+    if mode == "mixed":
+        if draft_for is None:
+            raise ValueError("mixed is a draft's quantization, not a target's")
+        loaded = load_draft(spec, draft_for, dtype, device, seed)
+        if loaded is not None:
+            mix_int8(loaded.model)                  # only its oneDNN-packed layers: none off bf16 CPUs
+        return loaded
     if mode == "none":
         if draft_for is not None:
             return load_draft(spec, draft_for, dtype, device, seed)

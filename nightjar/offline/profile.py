@@ -213,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of target and draft, as the engine's flag")
+                   help="weight-only quantization of the target, as the engine's flag")
+    p.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "mixed"],
+                   help="the draft's, as the engine's flag (default: as --quantization; mixed beside none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ctx", type=int, default=256, help="context length of the measured decode rows")
@@ -225,10 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_pair(a: argparse.Namespace):
-    from nightjar.models.quant import load_quantized
+    from nightjar.models.quant import draft_mode, load_quantized
 
     target = load_quantized(a.model, a.dtype, a.device, a.quantization)
-    draft = (load_quantized(a.draft, a.dtype, a.device, a.quantization, draft_for=target.config)
+    dq = draft_mode(a.quantization, a.draft_quantization)
+    draft = (load_quantized(a.draft, a.dtype, a.device, dq, draft_for=target.config)
              if a.draft not in ("none", "") else None)
     return target, draft
 

@@ -238,3 +238,103 @@ def test_the_pass_quantizes_onednn_packed_layers_too():
     n = sum(1 for m in model.layers.modules() if hasattr(m, "packed"))
     assert quantize_model(model, "int4") == n > 0
     assert not any(hasattr(m, "packed") for m in model.layers.modules())
+
+
+# ---- mixed: a bf16 draft's int8 copies for calls of few rows (models/quant.py RowSplitLinear) -------------
+def mixed_model(seed: int = 6, hidden: int = 64):
+    """A bf16 tiny model, fused and oneDNN-packed as a draft is (mirrored), then mixed; skips without oneDNN."""
+    from nightjar.models.quant import mix_int8
+
+    model = random_model(tiny_config(vocab=96, hidden=hidden), seed=seed, dtype=torch.bfloat16).fuse_projections()
+    if not model.pack_cpu_weights(mirror=True):
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    packed, before = sum(1 for m in model.modules() if hasattr(m, "packed")), model.weight_bytes()
+    return model, mix_int8(model), packed, before
+
+
+def test_a_mixed_draft_serves_calls_of_few_rows_from_int8_copies_and_larger_ones_in_bf16():
+    from nightjar.models.quant import MIXED_MAX_ROWS, RowSplitLinear
+
+    model, n, packed, before = mixed_model()
+    split = [m for m in model.modules() if isinstance(m, RowSplitLinear)]
+    assert n == len(split) == packed - (0 if cpu_fused.available() or not hasattr(model.lm_head, "packed") else 1)
+    assert isinstance(model.lm_head, RowSplitLinear) == cpu_fused.available()
+    assert all(isinstance(m.small, QuantHead if m is model.lm_head else QuantLinear) for m in split)
+    assert all(m.small.mode == "int8" for m in split if isinstance(m.small, QuantLinear))
+    assert model.weight_bytes() > before                       # the int8 copies beside the bf16 weights
+    g = torch.Generator().manual_seed(0)
+    for m in split:
+        for rows in (1, MIXED_MAX_ROWS, MIXED_MAX_ROWS + 1, 16):
+            x = torch.randn(rows, m.in_features, generator=g).to(torch.bfloat16)
+            assert torch.equal(m(x), (m.small if rows <= MIXED_MAX_ROWS else m.large)(x)), (m, rows)
+        x = torch.randn(2, m.in_features, generator=g).to(torch.bfloat16)
+        small, large = m.small(x).float(), m.large(x).float()
+        assert (small - large).abs().max() <= 0.05 * large.abs().max()       # int8's error, not another layer
+
+
+def test_mixed_is_a_draft_s_quantization_and_the_default_beside_an_unquantized_target(smollm2_path):
+    from nightjar.config_check import check_config
+    from nightjar.kernel.config import EngineConfig
+    from nightjar.models.quant import draft_mode, load_quantized
+    from nightjar.sampling import ConfigError
+
+    assert draft_mode("none", None) == "mixed" and draft_mode("int4", None) == "int4"
+    assert draft_mode("none", "none") == "none" and draft_mode("int8", "mixed") == "mixed"
+    check_config(EngineConfig(draft_quantization="mixed"), models=False)
+    with pytest.raises(ConfigError, match="choose from none, int8, int4; got 'mixed'") as e:
+        check_config(EngineConfig(quantization="mixed"), models=False)
+    assert e.value.flag == "--quantization"
+    with pytest.raises(ValueError, match="a draft's quantization"):
+        load_quantized(smollm2_path, "bfloat16", "cpu", "mixed")
+
+
+async def test_a_mixed_draft_round_trips_offload_release_reload_exactly():
+    from nightjar.actors.weights import DraftSlot
+    from nightjar.kvpool.cache import KVCache
+    from nightjar.transfer.weights import DraftTransfer, release_draft
+    from tests.transfer.test_transfer import BLOCK, logits_of, offload, reload, snapshot
+
+    model, _, _, _ = mixed_model(seed=5, hidden=32)
+    c = tiny_config(vocab=96, hidden=32)
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, 6, torch.bfloat16, "cpu")
+    slot = DraftSlot(model, cache, torch.device("cpu"))
+    before = logits_of(slot)
+    weights, _ = snapshot(slot)
+    nbytes = slot.model.weight_bytes()
+    tr = DraftTransfer(asyncio.get_running_loop())
+    try:
+        host, _, _ = await offload(tr, slot)
+        release_draft(slot)
+        await reload(tr, slot, host)
+    finally:
+        tr.shutdown()
+    got = dict(slot.model.named_parameters())
+    assert any(p.dtype == torch.int8 for p in got.values()) and any(p.dtype == torch.bfloat16 for p in got.values())
+    for name, w in weights.items():
+        assert got[name].dtype == w.dtype and torch.equal(got[name], w), name
+    assert slot.model.weight_bytes() == nbytes                  # the packed bf16 copies rebuilt
+    assert torch.equal(logits_of(slot), before)
+
+
+def test_every_policy_is_greedy_exact_with_a_mixed_draft(make_engine, smol_tokenizer):
+    """A bf16 target and a mixed bf16 draft: every policy emits off's tokens, at one row and at seven."""
+    from nightjar.models.quant import mix_int8
+    from tests.test_engine import generate_with, prompts_of_mixed_length
+
+    cfg = tiny_config(eos=smol_tokenizer.eos_token_ids)
+    base = random_model(cfg, seed=1, dtype=torch.bfloat16).fuse_projections()
+    draft = perturbed(base, 0.02, 2)
+    if not (base.pack_cpu_weights() and draft.pack_cpu_weights(mirror=True)):
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    assert mix_int8(draft) > 0
+    target, draft = LoadedModel(base, smol_tokenizer, "tiny-bf16"), LoadedModel(draft, None, "tiny-draft-mixed")
+    prompts = prompts_of_mixed_length(smol_tokenizer, n=12)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    kw = dict(pair=(target, draft), dtype="bfloat16")
+    ref, _ = generate_with(make_engine, "off", prompts, params, max_num_seqs=1, **kw)
+    for policy in POLICIES:
+        for bs in (1, 7):
+            got, stats = generate_with(make_engine, policy, prompts, params, max_num_seqs=bs, gamma_max=4, **kw)
+            assert got == ref, (policy, bs)
+            if policy.startswith("fixed"):
+                assert 0 < stats.accepted_tokens < stats.draft_tokens
