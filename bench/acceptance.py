@@ -3,7 +3,7 @@
     python bench/acceptance.py [--draft default,nightjar/models/drafts/smollm2-135m-head] [--gamma 4]
                                [--max-tokens 64] [--prompts heldout] [--repeats 2] [--speed-prompts 12]
     python bench/acceptance.py --temperature 0.8 --skip-speed    # sampled: Gumbel coupling vs rejection
-    python bench/acceptance.py --quantization int4 --draft default,default@int4 --skip-speed   # quantized
+    python bench/acceptance.py --quantization int4 --draft default@none,default@int4 --skip-speed   # quantized
     python bench/acceptance.py --gamma 3 --draft-tree 1,3      # a head's draft tree beside its chain
 
 A draft is an independent model (``default``: the shipped small Llama draft, or any checkpoint) or a
@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="default", help="comma-separated drafts (models or head directories); "
                     "NAME@MODE quantizes one (none, int8, int4, mixed; without: as the engine does), "
-                    "e.g. default,default@int4")
+                    "e.g. default@none,default@int4")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="the target's")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
