@@ -41,7 +41,6 @@ from torch import nn
 from nightjar.models import cpu_fused
 
 MODES = ("none", "int8", "int4")
-DRAFT_MODES = MODES + ("mixed",)
 MIXED_MAX_ROWS = 3         # a mixed draft's int8 copies serve calls of up to this many rows (docs/quantization.md)
 INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 64 (K % group == 0)
 PACKED_MAX_ROWS = {"int8": 16, "int4": 48}   # rows up to which the packed kernel beats dequantize + GEMM
