@@ -148,21 +148,14 @@ def test_the_int8_head_gives_the_logits_of_its_dequantized_weight(monkeypatch, d
 
 
 async def test_a_quantized_draft_round_trips_offload_release_reload_exactly():
-    from nightjar.transfer.weights import DraftTransfer, release_draft
-    from tests.transfer.test_transfer import logits_of, make_slot, offload, reload, snapshot
+    from tests.transfer.test_transfer import logits_of, make_slot, round_trip, snapshot
 
     slot = make_slot()
     quantize_model(slot.model, "int4")
     before = logits_of(slot)
     weights, kv = snapshot(slot)
     nbytes, kv_bytes = slot.model.weight_bytes(), slot.cache.nbytes
-    tr = DraftTransfer(asyncio.get_running_loop())
-    try:
-        host, _, _ = await offload(tr, slot)
-        assert release_draft(slot) == nbytes + kv_bytes
-        await reload(tr, slot, host)
-    finally:
-        tr.shutdown()
+    assert await round_trip(slot) == nbytes + kv_bytes
     got = dict(slot.model.named_parameters())
     assert any(p.dtype == torch.uint8 for p in got.values())
     for name, w in weights.items():
@@ -291,8 +284,7 @@ def test_mixed_is_a_draft_s_quantization_and_the_default_beside_an_unquantized_t
 async def test_a_mixed_draft_round_trips_offload_release_reload_exactly():
     from nightjar.actors.weights import DraftSlot
     from nightjar.kvpool.cache import KVCache
-    from nightjar.transfer.weights import DraftTransfer, release_draft
-    from tests.transfer.test_transfer import BLOCK, logits_of, offload, reload, snapshot
+    from tests.transfer.test_transfer import BLOCK, logits_of, round_trip, snapshot
 
     model, _, _, _ = mixed_model(seed=5, hidden=32)
     c = tiny_config(vocab=96, hidden=32)
@@ -301,13 +293,7 @@ async def test_a_mixed_draft_round_trips_offload_release_reload_exactly():
     before = logits_of(slot)
     weights, _ = snapshot(slot)
     nbytes = slot.model.weight_bytes()
-    tr = DraftTransfer(asyncio.get_running_loop())
-    try:
-        host, _, _ = await offload(tr, slot)
-        release_draft(slot)
-        await reload(tr, slot, host)
-    finally:
-        tr.shutdown()
+    assert await round_trip(slot) == nbytes + cache.nbytes
     got = dict(slot.model.named_parameters())
     assert any(p.dtype == torch.int8 for p in got.values()) and any(p.dtype == torch.bfloat16 for p in got.values())
     for name, w in weights.items():

@@ -48,6 +48,18 @@ def logits_of(slot: DraftSlot) -> torch.Tensor:
     return slot.model(lay, slot.cache)                                   # [2, V]
 
 
+async def round_trip(slot) -> int:
+    """Offload the slot's draft, release it, reload it; returns the bytes the release freed."""
+    tr = DraftTransfer(asyncio.get_running_loop())
+    try:
+        host, _, _ = await offload(tr, slot)
+        freed = release_draft(slot)
+        await reload(tr, slot, host)
+    finally:
+        tr.shutdown()
+    return freed
+
+
 async def offload(tr: DraftTransfer, slot) -> tuple[HostCopy, float, int]:
     fut = asyncio.get_running_loop().create_future()
     tr.offload(slot, lambda host, s: fut.set_result((host, s, threading.get_ident())))
@@ -170,15 +182,7 @@ def test_a_reloaded_draft_decodes_like_the_original_on_a_fresh_allocation():
     lay = build_layout([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [0], [alloc.block_table(1)], BLOCK, [1], device=DEV)
     ref = slot.model(lay, slot.cache)                                   # [1, V]
 
-    async def cycle():
-        tr = DraftTransfer(asyncio.get_running_loop())
-        try:
-            host, _, _ = await offload(tr, slot)
-            release_draft(slot)
-            await reload(tr, slot, host)
-        finally:
-            tr.shutdown()
-    asyncio.run(cycle())
+    asyncio.run(round_trip(slot))
     again = build_layout([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [0], [alloc.block_table(1)], BLOCK, [1], device=DEV)
     assert torch.equal(slot.model(again, slot.cache), ref)
 
