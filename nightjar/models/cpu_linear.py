@@ -95,9 +95,7 @@ def pack_linears(model: nn.Module, mirror: bool = False) -> int:
     kind = MirroredPackedLinear if mirror else PackedLinear
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m.bias is None]
     for name, m in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, kind(m.weight))
+        model.set_submodule(name, kind(m.weight))
     return len(targets)
 
 

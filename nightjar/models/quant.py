@@ -276,9 +276,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP, he
     swaps = [(name, w) for name, m in root.named_modules()
              if m is not model.lm_head and (w := _linear_weight(m)) is not None]
     for name, w in swaps:
-        parent_name, _, attr = name.rpartition(".")
-        parent = root.get_submodule(parent_name) if parent_name else root
-        setattr(parent, attr, QuantLinear.from_weight(w, mode, group_size))
+        root.set_submodule(name, QuantLinear.from_weight(w, mode, group_size))
     if head and cpu_fused.available() and (w := _linear_weight(model.lm_head)) is not None:
         model.lm_head = QuantHead.from_weight(w)
     return len(swaps)
@@ -310,8 +308,7 @@ def mix_int8(model: nn.Module) -> int:
     for name, m in swaps:
         w = m.weight.detach()                                                  # [out, in] bf16
         small = QuantHead.from_weight(w.float()) if m is head else QuantLinear.from_weight(w, "int8")
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, RowSplitLinear(small, m))
+        model.set_submodule(name, RowSplitLinear(small, m))
     return len(swaps)
 
 
