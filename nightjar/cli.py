@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(s)
+    add_engine_args(s, serve=True)
     _server_args(s)
     _cluster_args(s)
     s.set_defaults(func=cmd_serve)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         a.seed_sampling = a.seed
     try:
         if hasattr(a, "policy"):                 # engine flags: checked before any model loads
-            if a.planner_profile == "auto":      # checked first: the cached profile may take ~35 s to measure
+            if engine_kwargs(a)["planner_profile"] == "auto":  # checked first: measuring may take ~35 s
                 check_config(EngineConfig(**engine_kwargs(a)))
                 from nightjar.profile_cache import cached_profile
                 a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size, a.device,

@@ -7,7 +7,8 @@ import argparse
 from nightjar.kernel.config import EngineConfig
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The engine's flags; ``serve``: a server's defaults (``--planner-profile`` auto where it is used)."""
     d = EngineConfig()                       # the defaults live in one place: EngineConfig
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="registered name, .gguf file or HF checkpoint dir")
@@ -37,10 +38,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     g.add_argument("--max-queue", type=int, default=d.max_queue, help="requests in flight before 429s")
     g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--planner-profile", default=d.planner_profile, metavar="FILE|auto",
-                   help="step-time profile for the planner: a `nightjar profile` JSON, or 'auto' for this model, "
-                        "dtype and machine's cached one (measured once, about a minute, when absent); default: "
-                        "the planner's generic prior, calibrated online")
+    g.add_argument("--planner-profile", default=None, metavar="FILE|auto|none",
+                   help="step-time profile for the planner: a `nightjar profile` JSON, 'auto' for this model, "
+                        "draft, dtype and machine's cached one (measured once, about 35 s, when absent), or 'none' "
+                        "for the planner's generic prior, calibrated online; default: "
+                        + ("'auto' when the policy is model-based (nightjar, nightjar-nooffload) and a draft is "
+                           "loaded, else none" if serve else "none"))
+    p.set_defaults(profile_default="auto" if serve else None)
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="CUDA: run every step eagerly (no CUDA graphs for decode/verify steps); CPU is always eager")
     g.add_argument("--inline-compute", action=argparse.BooleanOptionalAction, default=d.inline_compute,
@@ -65,4 +69,23 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
             "draft_tree_batch"]
     kw = {k: getattr(a, k) for k in keys}
     kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
+    kw["planner_profile"] = _planner_profile(a, kw)
     return kw
+
+
+def _planner_profile(a: argparse.Namespace, kw: dict) -> str | None:
+    """``--planner-profile``: 'none' is the prior; not given, a server's default ('auto') where a profile is read."""
+    prof = kw["planner_profile"]
+    if prof is None and getattr(a, "profile_default", None) == "auto" and kw["draft"] is not None:
+        return "auto" if reads_profile(kw["policy"], kw["gamma_max"]) else None
+    return None if prof == "none" else prof
+
+
+def reads_profile(policy: str, gamma_max: int) -> bool:
+    """Does this policy price γ with a step-time profile (the model-based ``nightjar`` family)?"""
+    from nightjar.actors.policy_factory import make_policy
+
+    try:
+        return hasattr(make_policy(policy, gamma_max), "set_profile")
+    except ValueError:                       # a bad policy: check_config names it
+        return False

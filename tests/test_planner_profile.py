@@ -107,6 +107,43 @@ def test_generate_with_an_auto_profile_measures_then_serves(fake_measure, capsys
     assert "measuring one into" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["serve"], "auto"),                                                # nightjar + the default draft
+    (["serve", "--policy", "nightjar-nooffload"], "auto"),
+    (["serve", "--policy", "nightjar:per-request"], "auto"),
+    (["serve", "--policy", "off"], None),                               # reads no profile: nothing measured
+    (["serve", "--policy", "fixed:2"], None),
+    (["serve", "--policy", "nightjar-paper"], None),
+    (["serve", "--draft", "none"], None),
+    (["serve", "--policy", "fixed:9"], None),                           # a bad policy: check_config's to name
+    (["serve", "--planner-profile", "none"], None),                     # the generic prior, asked for
+    (["serve", "--planner-profile", "p.json"], "p.json"),
+    (["generate", "hi"], None),                                         # one request: not worth 35 s
+    (["generate", "hi", "--planner-profile", "auto"], "auto"),
+    (["generate", "hi", "--planner-profile", "none"], None),
+])
+def test_a_server_reads_the_auto_profile_by_default_where_its_policy_reads_one(argv, want):
+    from nightjar.cli import build_parser
+    from nightjar.engine_args import engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(argv))["planner_profile"] == want
+
+
+def test_serve_measures_the_auto_profile_once_and_hands_the_server_its_path(fake_measure, monkeypatch,
+                                                                           smollm2_path, tmp_path):
+    import nightjar.api.app as app
+    from nightjar.cli import main
+
+    served = []
+    monkeypatch.setattr(app, "serve", lambda kw, **_: served.append(kw))
+    for argv in (["--dtype", "float32"], ["--dtype", "float32"], ["--dtype", "float32", "--policy", "off"]):
+        assert main(["serve", *argv]) == 0
+    assert len(fake_measure) == 1                                       # cached after the first start
+    assert served[0]["planner_profile"] == served[1]["planner_profile"] and \
+        served[0]["planner_profile"].startswith(str(tmp_path))
+    assert served[2]["planner_profile"] is None
+
+
 def test_an_embedded_engine_takes_auto_as_the_cli_does(fake_measure, tmp_path, make_engine):
     measured = fake_measure
 

@@ -190,7 +190,7 @@ def engine_factory_from_args(server_args: list[str] | str, policy: str, model: s
 
     args = shlex.split(server_args) if isinstance(server_args, str) else list(server_args)
     p = argparse.ArgumentParser(prog="--server-args", add_help=False)
-    engine_args.add_engine_args(p)
+    engine_args.add_engine_args(p, serve=True)          # as the launched server parses them
     p.add_argument("--host")
     p.add_argument("--port")
     a = p.parse_args(args)
