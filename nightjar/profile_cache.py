@@ -29,10 +29,11 @@ from nightjar.sampling import ConfigError
 # 10: fused paged attention in tasks of 64 positions (0.55-0.81x its time), int4 layers' Python glue cut:
 # int4 B = 1 steps ~12 % faster, B = 16 verify steps ~15 %; 11: a draft head quantized with --draft-quantization,
 # its pass at B = 1 1.41 -> 0.70 ms with int4; 12: the draft's quantization in the key, a bf16 target's draft
-# mixed by default: int8 copies for calls of few rows, models/quant.py),
+# mixed by default: int8 copies for calls of few rows, models/quant.py; 13: the cells of B <= 8 measured
+# three times as often, offline/profile.py),
 # so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
 # ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) is part of the key too.
-KERNELS_VERSION = 12
+KERNELS_VERSION = 13
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none",

@@ -4,7 +4,8 @@
 
 Measures (lower quartile of interleaved repetitions after two warm-up passes, on a worker thread):
   T_target(B, q)  one target forward of B rows x q tokens at context ``--ctx`` (logits for all q),
-                  B in {1,2,4,8,16,32,64}, q in {1,2,3,5} (the same grid with --quick, fewer repetitions);
+                  B in {1,2,4,8,16,32,64}, q in {1,2,3,5} (the same grid with --quick, fewer repetitions;
+                  the cells of B <= 8 three times as many as the others);
                   then made non-decreasing in q and in B (isotonic regression; the raw grid is kept in
                   meta["T_raw"]): noise on a shared CPU can make a 2-token step look cheaper than a
                   1-token one, and the planner would chase that
@@ -39,6 +40,10 @@ from nightjar.models.llama import build_layout
 # One grid for both modes: the planner reads T up to B = 64 and q = Γmax + 1 = 5, and a quick grid that
 # stopped at B = 8, q = 3 extrapolated a B = 64 step at 2.4x its real cost and γ = 4 at B = 4 as nearly free.
 GRID_B, GRID_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5]
+# Cells up to this batch size get SMALL_B_FACTOR times the repetitions: there the planner's arms are 5-10 %
+# apart while a quick (5-repetition) cell's lower quartile moved by up to 25 % between profiles, and a pass
+# over these 16 cells costs ~0.4 s against ~1.7 s for the other 12.
+SMALL_B, SMALL_B_FACTOR = 8, 3
 
 
 class _Bench:
@@ -126,13 +131,16 @@ def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool
     tb = _Bench(target, block_size, max(Bs), ctx)
     cells = [(i, j) for i in range(len(Bs)) for j in range(len(qs))]
     samples: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
-    for r in range(reps + 2):                   # interleaved: background noise spreads over all cells
+    passes = SMALL_B_FACTOR * reps + 2
+    for r in range(passes):                     # interleaved: background noise spreads over all cells
         for i, j in cells:
+            if r >= reps + 2 and Bs[i] > SMALL_B:
+                continue                        # a large cell has its reps; small ones go on
             t0 = time.perf_counter()
             tb.forward(Bs[i], qs[j])
             if r >= 2:                          # passes 0-1 warm every shape up
                 samples[(i, j)].append(time.perf_counter() - t0)
-        log(f"  target pass {r + 1}/{reps + 2} (the first 2 warm up)")
+        log(f"  target pass {r + 1}/{passes} (the first 2 warm up; from {reps + 3} on B <= {SMALL_B} only)")
     raw = [[_stat(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
     T = monotone_grid(raw)
     pre = _quartile_time(lambda: tb.forward(1, 128, 0), reps)
@@ -220,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ctx", type=int, default=256, help="context length of the measured decode rows")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV pool size recorded for the simulator")
-    p.add_argument("--quick", action="store_true", help="5 repetitions instead of 9 (what --planner-profile auto runs)")
+    p.add_argument("--quick", action="store_true", help="5 repetitions instead of 9, 15 instead of 27 for B <= 8 "
+                        "(what --planner-profile auto runs)")
     p.add_argument("--no-engine", action="store_true", help="skip the engine step-overhead run")
     p.add_argument("--out", default="profile.json")
     return p
