@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--planner-profile", default=None, metavar="FILE|auto|none",
                    help="step-time profile for the planner: a `nightjar profile` JSON, 'auto' for this model, "
-                        "draft, dtype and machine's cached one (measured once, about 35 s, when absent), or 'none' "
+                        "draft, dtype and machine's cached one (measured once, about 30 s, when absent), or 'none' "
                         "for the planner's generic prior, calibrated online; default: "
                         + ("'auto' when the policy is model-based (nightjar, nightjar-nooffload) and a draft is "
                            "loaded, else none" if serve else "none"))

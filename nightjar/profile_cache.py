@@ -2,7 +2,7 @@
 
 ``cached_profile`` returns the cached ``nightjar profile`` JSON for a model, draft, dtype, quantization and
 device on this machine (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``), measuring one
-first when there is none: ``nightjar profile --quick --no-engine``, about 35 s here, in a child process (the
+first when there is none: ``nightjar profile --quick --no-engine``, about 30 s here, in a child process (the
 engine does not import the offline tools).
 """
 from __future__ import annotations

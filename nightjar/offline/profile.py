@@ -41,8 +41,9 @@ from nightjar.models.llama import build_layout
 # stopped at B = 8, q = 3 extrapolated a B = 64 step at 2.4x its real cost and γ = 4 at B = 4 as nearly free.
 GRID_B, GRID_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5]
 # Cells up to this batch size get SMALL_B_FACTOR times the repetitions: there the planner's arms are 5-10 %
-# apart while a quick (5-repetition) cell's lower quartile moved by up to 25 % between profiles, and a pass
-# over these 16 cells costs ~0.4 s against ~1.7 s for the other 12.
+# apart, while between quick profiles T(B, q)/T(B, 1) varied by 4.3 % sd (up to 10.5 %) with 5 repetitions,
+# 2.6 % (up to 5.5 %) with 15; a pass over these 16 cells costs ~0.4 s against ~1.7 s for the other 12
+# (docs/benchmarks.md: a quick profile took 3 s longer).
 SMALL_B, SMALL_B_FACTOR = 8, 3
 
 
