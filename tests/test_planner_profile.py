@@ -42,7 +42,7 @@ def test_a_bad_profile_file_is_a_config_error(make_engine, tmp_path):
 
 @pytest.fixture
 def fake_measure(monkeypatch, tmp_path):
-    """``planner_profile="auto"`` with its cache in tmp_path and a stand-in for the ~35 s measurement that
+    """``planner_profile="auto"`` with its cache in tmp_path and a stand-in for the ~30 s measurement that
     writes the A100-13B roofline; returns the list of argv it was called with."""
     from nightjar import profile_cache
 
@@ -118,7 +118,7 @@ def test_generate_with_an_auto_profile_measures_then_serves(fake_measure, capsys
     (["serve", "--policy", "fixed:9"], None),                           # a bad policy: check_config's to name
     (["serve", "--planner-profile", "none"], None),                     # the generic prior, asked for
     (["serve", "--planner-profile", "p.json"], "p.json"),
-    (["generate", "hi"], None),                                         # one request: not worth 35 s
+    (["generate", "hi"], None),                                         # one request: not worth 30 s
     (["generate", "hi", "--planner-profile", "auto"], "auto"),
     (["generate", "hi", "--planner-profile", "none"], None),
 ])
