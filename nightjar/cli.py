@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         a.seed_sampling = a.seed
     try:
         if hasattr(a, "policy"):                 # engine flags: checked before any model loads
-            if engine_kwargs(a)["planner_profile"] == "auto":  # checked first: measuring may take ~30 s
-                check_config(EngineConfig(**engine_kwargs(a)))
+            kw = engine_kwargs(a)
+            if kw["planner_profile"] == "auto":  # checked first: measuring may take ~30 s
+                check_config(EngineConfig(**kw))
                 from nightjar.profile_cache import cached_profile
                 a.planner_profile = cached_profile(a.model, a.draft, a.dtype, a.block_size, a.device,
                                                    log=lambda s: print(s, file=sys.stderr),
