@@ -22,4 +22,3 @@ def test_the_small_batch_cells_get_more_repetitions_than_the_large_ones(tiny_pai
     T = out["T"]
     assert all(T[i][j] <= T[i][j + 1] for i in range(len(T)) for j in range(len(T[0]) - 1))    # monotone in q
     assert all(T[i][j] <= T[i + 1][j] for i in range(len(T) - 1) for j in range(len(T[0])))    # and in B
-
