@@ -12,6 +12,7 @@ noisy machine slows them alike:
   torch   ``served`` with torch ops in place of the fused C++ ops (the CPU engine before them)
   modules ``served`` with every layer's ops reached through nn.Module calls (the fused path before
           ``DecoderLayer.forward_fused``)
+  unpadded  ``served`` without padding forwards of fewer than ``PACKED_MIN_ROWS`` tokens (before it)
   int8, int4  ``served`` with ``--quantization int8|int4`` (layers quantized, the LM head an int8 copy)
   int8-bf16head, int4-bf16head  the same with the LM head left in the dtype (oneDNN-packed, as before QuantHead)
   int4-torchmm  ``int4`` with torch's packed int4 kernel in place of the fused ``int4_linear`` (as before it)
@@ -36,7 +37,7 @@ from nightjar.models.loader import build_model, read_gguf_state, read_safetensor
 
 QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int8-bf16head": ("int8", False),
              "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True)}
-VARIANTS = ("plain", "fused", "served", "torch", "modules", *QUANTIZED)
+VARIANTS = ("plain", "fused", "served", "torch", "modules", "unpadded", *QUANTIZED)
 
 
 def copy_bandwidth(device: str, nbytes: int = 512 << 20) -> float:
@@ -71,11 +72,13 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
             models[name] = quantized_variant(cfg, state, dtype, device, *QUANTIZED[name], name.endswith("torchmm"))
             continue
         model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
-        if name in ("served", "torch", "modules"):
+        if name in ("served", "torch", "modules", "unpadded"):
             model.pack_cpu_weights()
-        model.select_kernels(cpu_fused=None if name in ("served", "modules") else False)
+        model.select_kernels(cpu_fused=None if name in ("served", "modules", "unpadded") else False)
         if name == "modules":
             model.fused_path = lambda x, cache: False                    # this instance only
+        if name == "unpadded":
+            model.gemm_min_rows = model.head_min_rows = 0
         models[name] = model
     return models
 

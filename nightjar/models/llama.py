@@ -170,6 +170,11 @@ def _tables(block_tables: list[tuple[int, ...]], ctx: list[int], block_size: int
     return torch.tensor(flat, dtype=torch.int64).view(len(block_tables), nb)
 
 
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [T, h] with zero rows appended up to ``rows`` -> [rows, h]."""
+    return torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
+
+
 def _fusable(x: torch.Tensor) -> bool:
     """The fused CPU ops take x: 2-D token-major, contiguous, a dtype they cover, no autograd (inference)."""
     return x.dim() == 2 and x.dtype in FUSED_DTYPES and x.is_contiguous() and not torch.is_grad_enabled()
@@ -310,8 +315,10 @@ class Attention(nn.Module):
         better) -> [T, nh, d]. Each row takes the same path whatever else is in the step. ``by_slot`` is this
         layer's [2, nkv, S, d] cache view."""
         ops, scale = fused_ops(), 1.0 / math.sqrt(self.cfg.head_dim)
-        q = ops.rope_store(self._modules["qkv_proj"].forward(x), cos, sin_signed, by_slot, lay.slot_mapping,
-                           self.cfg.num_heads)                                       # [T, nh, d]
+        qkv = self._modules["qkv_proj"].forward(x)                                   # [P, q + 2 kv]
+        if qkv.shape[0] != lay.slot_mapping.shape[0]:
+            qkv = qkv[: lay.slot_mapping.shape[0]]                                   # [T, ...]: padding rows off
+        q = ops.rope_store(qkv, cos, sin_signed, by_slot, lay.slot_mapping, self.cfg.num_heads)    # [T, nh, d]
         if len(lay.long_groups) == len(lay.groups):
             return paged_attention(q, cache, self.layer, lay, scale)
         out = ops.paged_attention(q, by_slot, lay.block_tables, lay.query_start_loc, lay.seq_lens,
@@ -322,10 +329,14 @@ class Attention(nn.Module):
 
     def forward_fused(self, x, cos, sin_signed, lay: BatchLayout, cache, by_slot) -> torch.Tensor:
         """``forward`` where ``LlamaModel.fused_path`` holds, its projections called by their ``forward``
-        (no nn.Module dispatch): x [T, h] -> [T, h]. ``by_slot``: this layer's cache view, taken when the
-        forward began."""
+        (no nn.Module dispatch): x [P, h] -> [P, h]. ``by_slot``: this layer's cache view, taken when the
+        forward began. x may carry zero rows after its T tokens (``LlamaModel.gemm_min_rows``): the
+        projections run on all P rows, rope, the KV store and attention on the T tokens."""
         out = self._fused(x, cos, sin_signed, lay, cache, by_slot)                      # [T, nh, d]
-        return self._modules["o_proj"].forward(out.reshape(x.shape[0], self.cfg.q_size))
+        o = out.reshape(out.shape[0], self.cfg.q_size)                                  # [T, q]
+        if o.shape[0] != x.shape[0]:
+            o = torch.cat((o, o.new_zeros(x.shape[0] - o.shape[0], o.shape[1])))       # [P, q]
+        return self._modules["o_proj"].forward(o)
 
     def _kernel_attention(self, q, k, v, lay: BatchLayout, cache, scale: float) -> torch.Tensor:
         """The Triton path (GPU): KV store + varlen paged attention over the single segment."""
@@ -494,6 +505,8 @@ class LlamaModel(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.gemm_min_rows = 0      # the fused path pads a forward's rows up to this (pack_cpu_weights)
+        self.head_min_rows = 0      # and the LM head's
 
     @property
     def dtype(self) -> torch.dtype:
@@ -529,11 +542,13 @@ class LlamaModel(nn.Module):
         """On a bf16 CPU model with oneDNN bf16 kernels, hold every projection and the LM head in
         oneDNN's packed layout (inference only; see models/cpu_linear.py). ``mirror`` keeps the plain
         weights as the parameters (a draft's, which move). Returns whether it packed."""
-        from nightjar.models.cpu_linear import pack_linears, packing_available
+        from nightjar.models.cpu_linear import PACKED_MIN_ROWS, is_packed, pack_linears, packing_available
 
         if not packing_available(self.dtype, self.device):
             return False
         pack_linears(self, mirror=mirror)
+        self.gemm_min_rows = PACKED_MIN_ROWS if is_packed(self.layers[0].mlp.down_proj) else 0
+        self.head_min_rows = PACKED_MIN_ROWS if is_packed(self.lm_head) else 0
         return True
 
     def weight_bytes(self) -> int:
@@ -570,9 +585,17 @@ class LlamaModel(nn.Module):
         sin = signed_sin(sin)
         kept = []
         slots = cache.slots_by_layer() if self.fused_path(x, cache) else None     # one view per layer
+        T = x.shape[0]
+        if slots and T < self.gemm_min_rows:
+            x = _pad_rows(x, self.gemm_min_rows)                  # [P, h]: zero rows after the T tokens
         for i, layer in enumerate(self.layers):
             x = layer.forward_fused(x, cos, sin, lay, cache, slots[i]) if slots else layer(x, cos, sin, lay, cache)
             if i in capture:
-                kept.append(x)
-        logits = self.lm_head(self.norm(x[lay.logits_index])).float()    # [N, V]
+                kept.append(x[:T])
+        h = self.norm(x[lay.logits_index])                        # [N, h]
+        n = h.shape[0]
+        if n < self.head_min_rows and _fusable(h):
+            logits = self.lm_head(_pad_rows(h, self.head_min_rows))[:n].float()
+        else:
+            logits = self.lm_head(h).float()                      # [N, V]
         return (logits, torch.cat(kept, dim=-1)) if capture else logits

@@ -9,6 +9,7 @@ import torch
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import load_draft, load_model
 from nightjar.models.cpu_linear import PackedLinear, packing_available
+from nightjar.models.llama import build_layout
 from nightjar.models.loader import build_model, load_weights, read_safetensors_state
 from tests.models.test_llama_parity import Runner, hf_logits, save_hf_llama
 
@@ -148,3 +149,39 @@ def test_signed_rope_gives_the_rotate_half_numbers_exactly(dtype):
     ang = torch.rand(7, 1, 64, generator=g) * 6.0
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
     assert torch.equal(apply_rope_signed(x, cos, signed_sin(sin)), apply_rope(x, cos, sin))
+
+
+@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+def test_forwards_of_few_tokens_are_padded_and_compute_the_same_logits(tmp_path):
+    """A packed model pads forwards of 1-3 tokens (and LM heads of 1-3 rows) with zero rows: the logits
+    and the captured features are those of the unpadded forward, bit for bit (packed rows do not depend
+    on the batch, test above); fp32 models do not pad."""
+    from nightjar.models.cpu_linear import PACKED_MIN_ROWS
+
+    save_hf_llama(tmp_path, tie=True)
+    cfg, state = read_safetensors_state(tmp_path)
+    padded, plain = (build_model(cfg, dict(state), torch.bfloat16) for _ in range(2))
+    for m in (padded, plain):
+        assert m.pack_cpu_weights()
+        m.select_kernels()
+    assert padded.gemm_min_rows == padded.head_min_rows == PACKED_MIN_ROWS
+    plain.gemm_min_rows = plain.head_min_rows = 0
+    assert build_model(cfg, dict(state), torch.float32).gemm_min_rows == 0
+    seqs = _seqs(11)[:1]
+    for a, b in zip(_runs(padded, seqs), _runs(plain, seqs)):      # prefill, 1-token decode, 4-token verify
+        assert torch.equal(a, b)
+    calls = []
+    down = padded.layers[0].mlp.down_proj
+    inner = down.forward
+    down.forward = lambda x: calls.append(x.shape[0]) or inner(x)     # the fused path calls .forward itself
+    outs = []
+    for m in (padded, plain):
+        r = Runner(m, block_size=4, num_blocks=96)
+        r.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 96, torch.bfloat16)
+        r.run({0: (seqs[0][:6], 0)}, {0: 1})
+        r.alloc.reserve(0, 8)
+        lay = build_layout([seqs[0][6:8]], [6], [r.alloc.block_table(0)], 4, [2])
+        outs.append(m(lay, r.cache, capture=(0, 1)))               # a 2-token verify chunk, features kept
+    assert calls[-1] == PACKED_MIN_ROWS
+    (la, fa), (lb, fb) = outs
+    assert fa.shape == (2, 2 * cfg.hidden_size) and torch.equal(fa, fb) and torch.equal(la, lb)
