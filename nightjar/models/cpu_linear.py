@@ -20,9 +20,9 @@ from torch import nn
 PACKED_MIN_ROWS = 4
 """Rows a packed model's forward pads its GEMMs up to (``LlamaModel.gemm_min_rows``). On this 2-vCPU EPYC
 (AVX512-bf16, oneDNN's brg_matmul) the 30 layers' packed projections of SmolLM2-135M, memory-bound, took
-12.3-15.2 ms at 1-2 rows against 10.4-13.3 ms at 4 (and 11-14 ms at 3-6; 7 and more rows slow down
-again), the LM head 2.4 against 2.0 ms: a padded row costs nothing there, a weight streamed faster saves
-10-15 % of a B = 1 step (docs/benchmarks.md, "Small forwards padded to four rows")."""
+13.0-15.2 ms at 1-2 rows against 11.4-13.3 ms at 4 in two runs (11.1-14.0 at 3-6; from 7 rows compute
+adds up), the LM head 2.4 against 2.0-2.3 ms: a padded row costs nothing there, and a B = 1-2 step of 1-3
+tokens took 0.86-0.96x its unpadded time (docs/benchmarks.md, "Small forwards padded to four rows")."""
 
 
 def is_packed(m: nn.Module) -> bool:
