@@ -335,7 +335,7 @@ class Attention(nn.Module):
         out = self._fused(x, cos, sin_signed, lay, cache, by_slot)                      # [T, nh, d]
         o = out.reshape(out.shape[0], self.cfg.q_size)                                  # [T, q]
         if o.shape[0] != x.shape[0]:
-            o = torch.cat((o, o.new_zeros(x.shape[0] - o.shape[0], o.shape[1])))       # [P, q]
+            o = _pad_rows(o, x.shape[0])                                                # [P, q]
         return self._modules["o_proj"].forward(o)
 
     def _kernel_attention(self, q, k, v, lay: BatchLayout, cache, scale: float) -> torch.Tensor:
