@@ -112,7 +112,7 @@ def pack_linears(model: nn.Module, mirror: bool = False) -> int:
 
 
 def _packed_modules(model: nn.Module) -> list:
-    return [m for m in model.modules() if isinstance(m, (PackedLinear, MirroredPackedLinear))]
+    return [m for m in model.modules() if is_packed(m)]
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -594,7 +594,7 @@ class LlamaModel(nn.Module):
                 kept.append(x[:T])
         h = self.norm(x[lay.logits_index])                        # [N, h]
         n = h.shape[0]
-        if n < self.head_min_rows and _fusable(h):
+        if n < self.head_min_rows and _fusable(h):                # inference only, as the layers' padding
             logits = self.lm_head(_pad_rows(h, self.head_min_rows))[:n].float()
         else:
             logits = self.lm_head(h).float()                      # [N, V]
