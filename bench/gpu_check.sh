@@ -7,7 +7,8 @@
 #      (CPU: a no-capture smoke run, no timing claim)
 #   4. python -m nightjar.bench.e2e_synthetic, if that module exists
 # Every section runs under its own timeout; the script keeps going after a failed section and
-# exits non-zero at the end if any failed. Env: PYTHON (interpreter), E2E_TIMEOUT, GRAPH_TIMEOUT (seconds).
+# exits non-zero at the end if any failed. Env: PYTHON (interpreter); section limits in seconds: TEST_TIMEOUT,
+# BENCH_TIMEOUT, GRAPH_TIMEOUT, E2E_TIMEOUT.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,10 +61,10 @@ else
 fi
 
 section "kernel tests ($DEVICE)"
-run "kernel tests" 300 "$PY" -m pytest tests/triton_kernels -q -p no:cacheprovider -rs --durations=8
+run "kernel tests" "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/triton_kernels -q -p no:cacheprovider -rs --durations=8
 
 section "kernel bench ($DEVICE)"
-run "kernel bench" 150 "$PY" bench/kernel_bench.py --device "$DEVICE"
+run "kernel bench" "${BENCH_TIMEOUT:-150}" "$PY" bench/kernel_bench.py --device "$DEVICE"
 
 section "cuda graphs: eager vs graph step time ($DEVICE)"
 if [[ "$HAS_CUDA" == 1 ]]; then

@@ -54,7 +54,8 @@ def perturbed(model: LlamaModel, noise: float, seed: int) -> LlamaModel:
     m = copy.deepcopy(model)
     with torch.no_grad():
         for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
+            noise_cpu = torch.randn(p.shape, generator=g)                 # the same draws on any device
+            p.add_(noise_cpu.to(p.device) * noise * p.std().clamp_min(1e-3))
     return m.eval()
 
 

@@ -1,4 +1,5 @@
-"""The model's Triton path (the GPU hot path), run here through the interpreter, matches the torch path."""
+"""The model's Triton path (the GPU hot path) matches the torch path: through the interpreter on a CPU, compiled
+on CUDA (the model, cache and layouts on the test's device)."""
 from __future__ import annotations
 
 import torch
@@ -8,19 +9,19 @@ from nightjar.models import build_layout
 from tests.conftest import random_model, tiny_config
 
 
-def run(model, kernels: bool):
+def run(model, kernels: bool, device: str):
     model.select_kernels(kernels)
     c = model.cfg
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 4, 16, torch.float32, head_major=not kernels)
-    pre = build_layout([[3, 1, 4, 1, 5, 9, 2], [6, 5]], [0, 0], [(0, 1), (5,)], 4, [1, 1])
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 4, 16, torch.float32, device, head_major=not kernels)
+    pre = build_layout([[3, 1, 4, 1, 5, 9, 2], [6, 5]], [0, 0], [(0, 1), (5,)], 4, [1, 1], device)
     a = model(pre, cache)
-    ver = build_layout([[2, 6, 5], [3]], [7, 2], [(0, 1, 2), (5,)], 4, [3, 1])   # verify + decode rows
+    ver = build_layout([[2, 6, 5], [3]], [7, 2], [(0, 1, 2), (5,)], 4, [3, 1], device)   # verify + decode rows
     return torch.cat([a, model(ver, cache)])
 
 
-def test_triton_kernels_in_the_model_match_the_torch_references():
-    model = random_model(tiny_config(vocab=64, hidden=32, layers=2, heads=4, kv=2), seed=3, std=0.3)
-    want = run(model, kernels=False)
-    got = run(model, kernels=True)
+def test_triton_kernels_in_the_model_match_the_torch_references(device):
+    model = random_model(tiny_config(vocab=64, hidden=32, layers=2, heads=4, kv=2), seed=3, std=0.3).to(device)
+    want = run(model, kernels=False, device=device)
+    got = run(model, kernels=True, device=device)
     model.select_kernels(False)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
