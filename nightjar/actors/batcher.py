@@ -352,7 +352,19 @@ class Batcher(Actor):
         return StepScheduled(step=self.step, req_ids=rids, starts=tuple(starts), chunk_ids=tuple(chunks),
                              num_decode=len(rows.ids), draft_computed=tuple(rows.dcs), speculate=tuple(rows.specs),
                              prefill_done=tuple(done), max_draft_lag=max(rows.lags, default=0),
-                             num_waiting=len(self.waiting))
+                             num_waiting=len(self.waiting), blocks_to_finish=self._blocks_to_finish())
+
+    def _blocks_to_finish(self) -> int:
+        """Blocks the running and waiting requests may still take before each reaches its max_len (the pool's
+        demand if none stops early): whether KV can run short at all (actors/weights.py). A request may
+        wait for the prefill token budget or a batch slot while the pool has room for everything."""
+        seqs, bs = self.seqs, self.block_size
+        n = 0
+        for ids in (self.running, self.waiting):
+            for r in ids:
+                q = seqs[r]
+                n += max(0, -(-q.max_len // bs) - q.num_blocks)
+        return n
 
     # ---- introspection -------------------------------------------------------------------------
     @property

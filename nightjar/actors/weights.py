@@ -61,9 +61,14 @@ class Triggers:
     headroom_blocks: int = 0
     offload_on_queue: bool = True      # a waiting request counts as KV pressure too (else τ_low alone)
 
-    def wants_offload(self, gamma: int, free: int, total: int, waiting: int) -> bool:
+    def wants_offload(self, gamma: int, free: int, total: int, waiting: int, to_finish: int = -1) -> bool:
+        """γ = 0 and KV short: fewer than τ_low free blocks, or a request waiting (``offload_on_queue``), while
+        the running and waiting requests may still need more blocks than are free (``to_finish``; -1 =
+        unknown: the thresholds alone). When every request's max_len fits, the draft's blocks buy nothing:
+        requests that wait for the prefill budget cycled the draft on an H200 and halved throughput at
+        B = 32-64 (docs/benchmarks.md)."""
         short = free < self.low_free_frac * total or (self.offload_on_queue and waiting > 0)
-        return gamma == 0 and short
+        return gamma == 0 and short and (to_finish < 0 or to_finish > free)
 
     def wants_reload(self, free: int, total: int, waiting: int) -> bool:
         base = total - self.draft_blocks                   # the pool once the draft is back
@@ -88,6 +93,7 @@ class WeightMover(Actor):
         self.state = "RESIDENT" if slot is not None else "NONE"
         self.streak = 0
         self.waiting = 0
+        self.to_finish = -1              # StepScheduled.blocks_to_finish
         self.gamma_inflight = 0
         self.host = None                 # the draft's host copy while offloaded
         self.offload_done = False
@@ -104,7 +110,7 @@ class WeightMover(Actor):
     def handle(self, msg, now):
         match msg:
             case StepScheduled():
-                self.waiting = msg.num_waiting
+                self.waiting, self.to_finish = msg.num_waiting, msg.blocks_to_finish
             case RequestAdmitted():
                 self.live.add(msg.req_id)
             case TokensCommitted():
@@ -137,7 +143,7 @@ class WeightMover(Actor):
             return None
         t = self.triggers
         if self.state == "RESIDENT":
-            hit = t.wants_offload(r.gamma, r.num_free, r.num_total, self.waiting)
+            hit = t.wants_offload(r.gamma, r.num_free, r.num_total, self.waiting, self.to_finish)
         else:
             hit = t.wants_reload(r.num_free, r.num_total, self.waiting)
         self.streak = self.streak + 1 if hit else 0

@@ -83,6 +83,7 @@ class StepScheduled(Msg, frozen=True):
     prefill_done: tuple[bool, ...]   # per row: does this chunk finish the prompt (needs a token)
     max_draft_lag: int = 0
     num_waiting: int = 0
+    blocks_to_finish: int = -1       # blocks running + waiting requests may still take to reach max_len (-1: unknown)
 
 
 class StepPlanned(Msg, frozen=True):

@@ -71,6 +71,15 @@ def test_accepted_drafts_advance_kv_and_draft_counters():
     assert seq.draft_computed == 6 + 2 and len(seq.tokens) == 9
 
 
+def test_steps_say_how_many_blocks_the_running_and_waiting_requests_may_still_take():
+    b = Batcher(num_blocks=100, block_size=4, max_num_seqs=1)
+    (s1,) = only(admit(b, 1, 5, max_tokens=50), StepScheduled)           # may reach 55 tokens: 14 blocks
+    assert s1.blocks_to_finish == 14
+    admit(b, 2, 7, max_tokens=1)                                          # waits for a batch slot: 2 blocks
+    (s2,) = only(verify(b, s1, [[7]]), StepScheduled)                     # 4 of request 1's 14 held now
+    assert s2.req_ids == (1,) and s2.num_waiting == 1 and s2.blocks_to_finish == 10 + 2
+
+
 def test_stop_token_and_max_tokens_finish_and_release():
     b = Batcher(num_blocks=100, block_size=4, eos_ids=(2,))
     (s1,) = only(admit(b, 1, 5, max_tokens=3), StepScheduled)

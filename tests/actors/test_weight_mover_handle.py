@@ -60,9 +60,9 @@ def res(free: int, total: int = 100, gamma: int = 0, step: int = 1) -> BlocksRes
     return BlocksReserved(step=step, gamma=gamma, block_tables=(), num_free=free, num_total=total)
 
 
-def sched(waiting: int, step: int = 1) -> StepScheduled:
+def sched(waiting: int, step: int = 1, to_finish: int = -1) -> StepScheduled:
     return StepScheduled(step=step, req_ids=(), starts=(), chunk_ids=(), num_decode=0, draft_computed=(),
-                         speculate=(), prefill_done=(), num_waiting=waiting)
+                         speculate=(), prefill_done=(), num_waiting=waiting, blocks_to_finish=to_finish)
 
 
 def admit(rid: int = 1) -> RequestAdmitted:
@@ -130,6 +130,21 @@ def test_the_offload_streak_needs_consecutive_short_steps_with_speculation_off()
         (res(9), None, "RESIDENT"),
         (sched(waiting=3), None, "RESIDENT"),
         (res(50), [state("OFFLOADING")], "OFFLOADING"),    # plenty free, but requests wait: short as well
+    ])
+
+
+def test_low_free_blocks_that_the_running_requests_cannot_outgrow_do_not_offload():
+    m = mover()
+    play(m, [
+        (admit(), None, "RESIDENT"),
+        (sched(waiting=0, to_finish=9), None, "RESIDENT"),  # every running request's max_len fits in 9
+        (res(9), None, "RESIDENT"),
+        (res(9), None, "RESIDENT"),
+        (res(9), None, "RESIDENT"),
+        (sched(waiting=0, to_finish=12), None, "RESIDENT"),  # now they may need 12 of the 9 free
+        (res(9), None, "RESIDENT"),
+        (res(9), None, "RESIDENT"),
+        (res(9), [state("OFFLOADING")], "OFFLOADING"),
     ])
 
 

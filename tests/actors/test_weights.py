@@ -80,6 +80,15 @@ def test_a_waiting_request_triggers_the_offload_only_with_offload_on_queue():
         assert not t.wants_offload(0, free=50, total=100, waiting=0)
 
 
+def test_the_triggers_offload_only_when_the_requests_may_outgrow_the_free_blocks():
+    t = Triggers(draft_blocks=10)
+    assert t.wants_offload(0, free=5, total=100, waiting=0, to_finish=6)     # they may need 6 of 5: short
+    assert not t.wants_offload(0, free=5, total=100, waiting=0, to_finish=5)  # every max_len fits: no gain
+    assert t.wants_offload(0, free=5, total=100, waiting=0, to_finish=-1)    # unknown demand: τ_low alone
+    assert t.wants_offload(0, free=50, total=100, waiting=1, to_finish=60)   # waiting, and the pool too small
+    assert not t.wants_offload(0, free=50, total=100, waiting=1, to_finish=50)   # waiting for the prefill budget
+
+
 def test_repeated_copy_failures_turn_elastic_memory_off_instead_of_retrying_forever():
     from nightjar.actors.control import StubSlot
     from nightjar.actors.weights import MAX_COPY_FAILURES
