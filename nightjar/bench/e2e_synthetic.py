@@ -1,7 +1,7 @@
 """End-to-end engine throughput on random-weight large shapes with SYNTHETIC acceptance.
 
     python -m nightjar.bench.e2e_synthetic [--target 7b] [--draft 0.5b] [--acceptance 0.7] [--batches 1,8,32,64]
-        [--policies off,fixed:1,fixed:3,nightjar] [--tokens 128] [--reps 2]
+        [--policies off,fixed:1,fixed:3,nightjar] [--tokens 128] [--reps 2] [--detail]
 
 Random weights make real acceptance ~0, so drafts are accepted at a set rate (like vLLM's synthetic
 rejection sampler): the figures measure the engine and its kernels, NOT output quality. On a CPU
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -42,9 +44,48 @@ def random_model(shape: str, device: str, dtype: torch.dtype, seed: int) -> Llam
     return model.eval()
 
 
-async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dtype: str) -> float:
-    """tok/s of the second of two rounds of ``batch`` concurrent requests on one engine: the first round
-    captures the CUDA graphs of this batch's shapes, compiles Triton and starts the planner's learning."""
+class RoundTap:
+    """What a timed round did, off the bus (``--detail``): steps per γ, γ switches, draft offloads."""
+
+    def __init__(self) -> None:
+        self.gammas: Counter = Counter()
+        self.switches = self.offloads = 0
+        self._last: int | None = None
+
+    def __call__(self, env) -> None:
+        from nightjar.kernel.messages import DraftOffloaded, StepTimed
+
+        m = env.msg
+        if isinstance(m, StepTimed):
+            self.gammas[m.gamma] += 1
+            self.switches += self._last is not None and m.gamma != self._last
+            self._last = m.gamma
+        elif isinstance(m, DraftOffloaded):
+            self.offloads += 1
+
+
+def _graph_stats(model) -> Counter:
+    runner = getattr(model, "graph_runner", None)
+    return Counter(runner.stats) if runner is not None else Counter()
+
+
+def _detail(tap: RoundTap, eng, graphs: Counter, policy: str) -> str:
+    """One line: the timed round's γ histogram, switches, offloads and graph replays/captures/eager steps; the
+    planner's snapshot (level, acceptance, catch-up line, per-bucket arms) for a policy that has one."""
+    out = (f"#   {policy}: steps by γ {dict(sorted(tap.gammas.items()))}, {tap.switches} switches, "
+           f"{tap.offloads} offloads, target graphs {dict(graphs)}")
+    snap = eng.planner.policy.snapshot()
+    if "contexts" in snap:
+        keep = ("level", "rho", "dwell", "c_switch", "prefill_s_per_token", "contexts")
+        out += "\n#   planner " + json.dumps({k: snap.get(k) for k in keep}, default=str)
+    return out
+
+
+async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dtype: str,
+              detail: bool = False) -> tuple[float, str]:
+    """tok/s of the second of two rounds of ``batch`` concurrent requests on one engine (the first round
+    captures the CUDA graphs of this batch's shapes, compiles Triton and starts the planner's learning), and
+    with ``detail`` a description of that round (``_detail``)."""
     from nightjar.engine import Engine
     from nightjar.sampling import SamplingParams
 
@@ -61,7 +102,11 @@ async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dty
             n = sum(await asyncio.gather(*[one() for _ in range(batch)]))
             return n / (time.perf_counter() - t0)
         await one_round()                                                  # warm-up at this batch
-        return await one_round()
+        tap, g0 = RoundTap(), _graph_stats(pair[0].model)
+        eng.bus.add_tap(tap)
+        rate = await one_round()
+        eng.bus.remove_tap(tap)
+        return rate, _detail(tap, eng, _graph_stats(pair[0].model) - g0, policy) if detail else ""
 
 
 def main(argv=None) -> int:
@@ -74,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions (a fresh engine each); the median")
     ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
+    ap.add_argument("--detail", action="store_true",
+                    help="per run: steps by γ, switches, offloads, graph stats and the planner's snapshot")
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16"
@@ -96,7 +143,10 @@ def main(argv=None) -> int:
         runs: dict[str, list[float]] = {p: [] for p in policies}
         for _ in range(a.reps):
             for p in policies:
-                runs[p].append(asyncio.run(run((target, draft), p, B, a.tokens, a.acceptance, dtype)))
+                rate, detail = asyncio.run(run((target, draft), p, B, a.tokens, a.acceptance, dtype, a.detail))
+                runs[p].append(rate)
+                if detail:
+                    print(f"#   B = {B}, {rate:.1f} tok/s\n{detail}", flush=True)
         med = {p: statistics.median(r) for p, r in runs.items()}
         best = max((med[p] for p in static), default=0.0)
         cells = [f"{med[p]:.1f}" for p in policies] + ([f"{med[p] / best:.2f}" for p in adaptive] if static else [])

@@ -1,0 +1,17 @@
+"""The synthetic end-to-end bench (the last section of bench/gpu_check.sh) on its CPU smoke shapes."""
+from __future__ import annotations
+
+import re
+
+from nightjar.bench.e2e_synthetic import main
+
+
+def test_the_table_has_a_row_per_batch_and_detail_says_what_each_round_did(capsys):
+    assert main(["--tokens", "4", "--reps", "1", "--policies", "fixed:2,nightjar", "--detail"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["1", "4"]                                 # the CPU smoke batches
+    for _, fixed, nj, ratio in rows:
+        assert abs(float(ratio) - float(nj) / float(fixed)) < 0.01            # nightjar / the best static
+    assert out.count("steps by γ") == 4 and out.count("#   planner {") == 2    # nightjar's snapshot, per run
+    assert re.search(r"fixed:2: steps by γ \{0: 1, 2: \d+\}", out)           # a prefill step, then γ = 2
