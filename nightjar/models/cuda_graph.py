@@ -10,14 +10,15 @@ first, exactly as the eager layout has them, then one sink row that owns the pad
 empty rows (no tokens). Padding logits rows point at token 0 and are cut off.
 
 Everything is eager instead (``forward`` returns None) when the model is not on its Triton path (CPU,
-NIGHTJAR_TRITON=0), the KV cache has more than one segment (the pool grew: the torch path runs then),
+NIGHTJAR_TRITON=0), the KV cache has more than two segments (the kernels' segment table has one entry),
 a row needs more query tokens than max_q, more blocks than the table width, or no logits (prefill
 chunks), or the batch exceeds the largest bucket.
 
-Graphs bake in addresses: the weights' and the KV segment's. ``weights_moved(model)`` (called by the
+Graphs bake in addresses: the weights' and the KV segments'. ``weights_moved(model)`` (called by the
 draft's offload and reload in transfer/weights.py) drops the model's graphs at once; the runner also
-compares, every step, the model's weights version and the data pointer of KV segment 0 with the ones
-its graphs were captured with, and drops them all on a mismatch (capture is lazy, on the next use).
+compares, every step, the model's weights version and the data pointers of the KV segments with the ones
+its graphs were captured with, and drops them all on a mismatch (capture is lazy, on the next use): a pool
+that grows or shrinks re-captures its shapes once.
 
 ``capture=False`` keeps everything but the ``torch.cuda.graph`` call: the static buffers are filled
 and the model runs eagerly on them. The CPU tests use it with the Triton interpreter.
@@ -181,12 +182,13 @@ class GraphRunner:
 
     # ---- validity --------------------------------------------------------------------------------
     def _signature(self) -> tuple | None:
-        """What the graphs depend on, or None when the Triton path (the only capturable one) is off or the
-        cache is not in the kernels' block-major layout."""
+        """What the graphs depend on (the weights and every KV segment's address: a grow or shrink re-captures),
+        or None when the Triton path (the only capturable one) is off, the cache is not in the kernels'
+        block-major layout or has more segments than the kernels' segment table (two)."""
         segs = self.cache.segments
-        if len(segs) != 1 or not self.model.layers[0].self_attn.use_kernels or self.cache.head_major:
+        if len(segs) > 2 or not self.model.layers[0].self_attn.use_kernels or self.cache.head_major:
             return None
-        return weights_version(self.model), segs[0].data.data_ptr()
+        return weights_version(self.model), tuple(s.data.data_ptr() for s in segs)
 
     def reset(self) -> None:
         """Drop every graph and static buffer (their memory returns to the allocator)."""

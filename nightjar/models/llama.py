@@ -302,7 +302,7 @@ class Attention(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]                                           # [T, nh, d], [T, nkv, d]
         v = v.reshape(T, nkv, d)                                                # [T, nkv, d]
         scale = 1.0 / math.sqrt(c.head_dim)
-        if self.use_kernels and len(cache.segments) == 1 and not cache.head_major:
+        if self.use_kernels and len(cache.segments) <= 2 and not cache.head_major:
             out = self._kernel_attention(q, k, v, lay, cache, scale)
         else:
             cache.write(self.layer, k, v, lay.slot_mapping)
@@ -339,14 +339,20 @@ class Attention(nn.Module):
         return self._modules["o_proj"].forward(o)
 
     def _kernel_attention(self, q, k, v, lay: BatchLayout, cache, scale: float) -> torch.Tensor:
-        """The Triton path (GPU): KV store + varlen paged attention over the single segment."""
+        """The Triton path (GPU): KV store + varlen paged attention over the pool's one or two segments (a grown
+        pool: the second one's blocks through the kernels' segment table, triton_kernels/segments.py)."""
         from nightjar.triton_kernels.kv_store import kv_store_triton
         from nightjar.triton_kernels.paged_attention import paged_attention_triton
 
-        data = cache.segments[0].data[self.layer]                 # [2, n, bs, nkv, d]
-        kv_store_triton(k, v, data[0], data[1], lay.slot_mapping)
+        segs = cache.segments
+        data = segs[0].data[self.layer]                            # [2, n, bs, nkv, d]
+        grown = {}
+        if len(segs) == 2:
+            d1 = segs[1].data[self.layer]                          # [2, n1, bs, nkv, d]
+            grown = {"k_seg1": d1[0], "v_seg1": d1[1], "seg1_start": segs[1].start}
+        kv_store_triton(k, v, data[0], data[1], lay.slot_mapping, **grown)
         return paged_attention_triton(q, data[0], data[1], lay.block_tables, lay.query_start_loc,
-                                      lay.seq_lens, scale)
+                                      lay.seq_lens, scale, **grown)
 
 
 def kv_head_major(model) -> bool:

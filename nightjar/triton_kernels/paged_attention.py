@@ -1,8 +1,9 @@
-"""Varlen paged attention over one layer of one KV segment (prefill chunks, decode, verify).
+"""Varlen paged attention over one layer of a KV pool of one or two segments (prefill chunks, decode, verify).
 
 Sequence b owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they are the LAST
 ``q_len`` positions of its context of ``seq_lens[b]`` tokens, causal within the chunk. Key
-position j of sequence b lives in cache block ``block_tables[b, j // bs]`` at offset ``j % bs``.
+position j of sequence b lives in cache block ``block_tables[b, j // bs]`` at offset ``j % bs`` (of segment 1
+at and past its first block id, triton_kernels/segments.py).
 
 The Triton kernel launches one program per (query tile, kv head). Tiles never straddle
 sequences: sequence b's tiles start at ``query_start_loc[b] // BLOCK_Q + b`` (an upper bound on
@@ -18,6 +19,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from nightjar.triton_kernels.segments import segment_args
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -65,7 +68,7 @@ def _find_seq(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, seg1, k_delta, v_delta,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, G: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -103,8 +106,9 @@ def _paged_attention_kernel(
         k_pos = start + offs_n                                   # [N]
         k_ok = k_pos < last
         blk = tl.load(bt_ptr + b * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot_k = blk * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        slot_v = blk * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        in1 = blk >= seg1                                        # [N] in segment 1 (segments.py)
+        slot_k = blk * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh + tl.where(in1, k_delta, 0)
+        slot_v = blk * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh + tl.where(in1, v_delta, 0)
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + slot_k[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_ptr + slot_v[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
@@ -130,11 +134,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _seg(k0, v0, k1, v1, start: int) -> tuple[int, int, int]:
+    """(seg1, k_delta, v_delta): the kernel's segment table (segments.py)."""
+    seg1, kd = segment_args(k0, k1, start)
+    return seg1, kd, segment_args(v0, v1, start)[1]
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton paged attention; same contract as paged_attention_ref (no host sync)."""
+                           out: torch.Tensor | None = None, k_seg1: torch.Tensor | None = None,
+                           v_seg1: torch.Tensor | None = None, seg1_start: int = 0) -> torch.Tensor:
+    """Triton paged attention; same contract as paged_attention_ref (no host sync). ``k_seg1``/``v_seg1``:
+    a grown pool's second segment, holding block ids from ``seg1_start`` on (segments.py)."""
     T, nh, d = q.shape
     _, bs, nkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -152,6 +164,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        *_seg(k_cache, v_cache, k_seg1, v_seg1, seg1_start),
         HEAD_DIM=d, BLOCK_SIZE=bs, G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         UPCAST=_interpreting() or q.dtype == torch.float32,

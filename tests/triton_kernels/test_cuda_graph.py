@@ -194,25 +194,27 @@ def test_eager_fallbacks_return_none():
     model.select_kernels(False)                                                      # the torch (CPU) path
     assert runner.forward([[1], [5]], [4, 4], tables, [1, 1]) is None
     model.select_kernels(True)
-    cache.add_segment(4)                                   # pool grew: the model runs its torch path
+    cache.add_segment(4)
+    cache.add_segment(4)                                   # past the kernels' segment table: the torch path
     assert runner.forward([[1], [5]], [4, 4], tables, [1, 1]) is None
     assert runner.stats["eager"] == 4 and not runner.entries
 
 
-def test_pool_grow_and_shrink_keep_graphs_and_a_moved_segment_drops_them():
+def test_a_grown_or_shrunk_pool_recaptures_and_a_moved_segment_drops_the_graphs():
     model = tiny()
     cache, tables, _ = prefilled(model, [4, 4], seed=3)
     runner = runner_for(model, cache)
     step = lambda: runner.forward([[1], [5]], [4, 4], tables, [1, 1])  # noqa: E731
     assert step() is not None and len(runner.entries) == 1
-    cache.add_segment(4)
-    assert step() is None and len(runner.entries) == 1     # eager while grown, graphs kept
-    cache.drop_last_segment()                              # segment 0 never moved: graphs still valid
-    assert step() is not None and runner.stats["resets"] == 0 and runner.stats["replays"] == 1
+    cache.add_segment(4)                                   # grown: captured again, with the segment table
+    assert step() is not None and runner.stats["resets"] == 1 and runner.stats["captures"] == 2
+    assert step() is not None and runner.stats["replays"] == 1
+    cache.drop_last_segment()                              # shrunk: captured again
+    assert step() is not None and runner.stats["resets"] == 2 and runner.stats["captures"] == 3
     old = cache.segments[0].data                           # held: the restored copy gets a new address
     cache.restore(cache.to_host())
     assert cache.segments[0].data.data_ptr() != old.data_ptr()
-    assert step() is not None and runner.stats["resets"] == 1 and runner.stats["captures"] == 2
+    assert step() is not None and runner.stats["resets"] == 3 and runner.stats["captures"] == 4
 
 
 def test_weight_moves_drop_the_graphs_and_the_runner_stays_exact():

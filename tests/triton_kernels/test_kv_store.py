@@ -50,3 +50,16 @@ def test_an_empty_batch_stores_nothing(device):
     k = torch.zeros(0, 1, 8, device=device)
     kv_store_triton(k, k, kc, kc.clone(), torch.zeros(0, dtype=torch.int64, device=device))
     assert not kc.any()
+
+
+def test_stores_into_a_grown_pool_land_in_the_segment_that_holds_each_block(device):
+    g = torch.Generator().manual_seed(1)
+    n_blocks, bs, nkv, d, n0 = 6, 4, 2, 8, 4                                # blocks 4, 5 are segment 1's
+    k, v = (torch.randn(9, nkv, d, generator=g).to(device) for _ in range(2))
+    slots = torch.tensor([0, 5, 15, 16, 17, 23, -1, 22, 3], device=device)  # both sides of block 4's edge
+    kc, vc = garbage_cache(n_blocks, bs, nkv, d, torch.float32, device, g), \
+        garbage_cache(n_blocks, bs, nkv, d, torch.float32, device, g)
+    kc0, vc0, kc1, vc1 = kc[:n0].clone(), vc[:n0].clone(), kc[n0:].clone(), vc[n0:].clone()
+    kv_store_ref(k, v, kc, vc, slots)
+    kv_store_triton(k, v, kc0, vc0, slots, k_seg1=kc1, v_seg1=vc1, seg1_start=n0)
+    assert torch.equal(torch.cat([kc0, kc1]), kc) and torch.equal(torch.cat([vc0, vc1]), vc)

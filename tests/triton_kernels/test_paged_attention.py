@@ -104,3 +104,17 @@ def test_realistic_shapes_match_the_reference_on_the_gpu(dtype):
     case = make_case(qlens, ctxs, nkv=8, group=4, d=128, bs=16, dtype=dtype, device="cuda")
     ref, out = run_both(case, 1 / math.sqrt(128))
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grown_pool_read_through_its_segment_table_matches_the_one_tensor_reference(dtype, device):
+    """Blocks [0, 7) in one tensor, [7, n) in another allocation: the kernel adds segment 1's distance."""
+    q, k, v, table, qsl, seq_lens = make_case([6, 1, 4], [13, 9, 12], dtype=dtype, device=device, seed=3)
+    ref = paged_attention_ref(q, k, v, table, qsl, seq_lens, 0.25)
+    assert (table >= 7).any() and ((table < 7) & (table > 0)).any()          # both segments are read
+    k1, v1 = k[7:].clone(), v[7:].clone()                                     # a separate allocation each
+    k0, v0 = k.clone(), v.clone()
+    k0[7:], v0[7:] = float("nan"), float("nan")                              # segment 0 ends at block 7
+    out = paged_attention_triton(q, k0[:7], v0[:7], table, qsl, seq_lens, 0.25,
+                                 k_seg1=k1, v_seg1=v1, seg1_start=7)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
