@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nightjar.triton_kernels.segments import segment_args
+from nightjar.triton_kernels.segments import segment_table
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -63,8 +63,7 @@ def kv_store_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if T == 0:
         return
     bits = _BITS[k.element_size()]
-    seg1, kd = segment_args(k_cache, k_seg1, seg1_start)
-    vd = segment_args(v_cache, v_seg1, seg1_start)[1]
+    seg1, kd, vd = segment_table(k_cache, v_cache, k_seg1, v_seg1, seg1_start)
     kb, vb, kcb, vcb = (x.view(bits) for x in (k, v, k_cache, v_cache))
     block_e = triton.next_power_of_2(nkv * d)
     block_t = max(1, min(16, 4096 // block_e))                              # ~4K elements per program

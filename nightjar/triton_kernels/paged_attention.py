@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nightjar.triton_kernels.segments import segment_args
+from nightjar.triton_kernels.segments import segment_table
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,12 +134,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _seg(k0, v0, k1, v1, start: int) -> tuple[int, int, int]:
-    """(seg1, k_delta, v_delta): the kernel's segment table (segments.py)."""
-    seg1, kd = segment_args(k0, k1, start)
-    return seg1, kd, segment_args(v0, v1, start)[1]
-
-
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
@@ -164,7 +158,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *_seg(k_cache, v_cache, k_seg1, v_seg1, seg1_start),
+        *segment_table(k_cache, v_cache, k_seg1, v_seg1, seg1_start),
         HEAD_DIM=d, BLOCK_SIZE=bs, G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         UPCAST=_interpreting() or q.dtype == torch.float32,

@@ -23,3 +23,10 @@ def segment_args(c0: torch.Tensor, c1: torch.Tensor | None, seg1: int) -> tuple[
     dist, rem = divmod(c1.data_ptr() - c0.data_ptr(), c0.element_size())
     assert rem == 0, "segment 1 is not element-aligned with segment 0"
     return seg1, dist - seg1 * c0.stride(0)
+
+
+def segment_table(k0: torch.Tensor, v0: torch.Tensor, k1: torch.Tensor | None, v1: torch.Tensor | None,
+                  seg1: int) -> tuple[int, int, int]:
+    """(seg1, k_delta, v_delta): a kernel's segment table for a K and a V cache (``segment_args`` each)."""
+    seg, kd = segment_args(k0, k1, seg1)
+    return seg, kd, segment_args(v0, v1, seg1)[1]
