@@ -3,7 +3,8 @@
   nightjar profile [--model M --draft D --dtype bfloat16 --ctx 256 --out prof.json --quick]
 
 Measures (lower quartile of interleaved repetitions after two warm-up passes, on a worker thread):
-  T_target(B, q)  one target forward of B rows x q tokens at context ``--ctx`` (logits for all q),
+  T_target(B, q)  one target forward of B rows x q tokens at context ``--ctx`` (logits for all q; on CUDA a
+                  captured graph's replay, as the engine runs it, models/cuda_graph.py),
                   B in {1,2,4,8,16,32,64}, q in {1,2,3,5} (the same grid with --quick, fewer repetitions;
                   the cells of B <= 8 three times as many as the others);
                   then made non-decreasing in q and in B (isotonic regression; the raw grid is kept in
@@ -34,6 +35,7 @@ from nightjar.actors.step_profile import Profile
 from nightjar.kernel.threads import on_fresh_thread
 from nightjar.kvpool.blocks import BlockAllocator
 from nightjar.kvpool.cache import KVCache
+from nightjar.models.cuda_graph import attach_graphs, detach_graphs
 from nightjar.models.eagle import is_head
 from nightjar.models.llama import build_layout
 
@@ -48,7 +50,10 @@ SMALL_B, SMALL_B_FACTOR = 8, 3
 
 
 class _Bench:
-    """A model + its own paged cache big enough for max_b rows of ctx + 16 tokens."""
+    """A model + its own paged cache big enough for max_b rows of ctx + 160 tokens. On CUDA its short steps
+    replay captured graphs as the engine's do (models/cuda_graph.py; prefill and catch-up chunks stay eager
+    there too): eager steps of a 7B on an H200 were launch-bound, 15-22 ms at any B against 5.8-10.2 ms
+    captured, so an eager profile would price γ with another shape than the engine runs. ``close`` detaches."""
 
     def __init__(self, model, block_size: int, max_b: int, ctx: int):
         c = model.cfg
@@ -60,6 +65,19 @@ class _Bench:
         for r in range(max_b):
             alloc.reserve(r, per * block_size)
         self.tables = [alloc.block_table(r) for r in range(max_b)]
+        self.graphs = None if is_head(model) else attach_graphs(
+            model, self.cache, max_batch=max_b, max_q=max(GRID_Q), max_model_len=per * block_size)
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            detach_graphs(self.model)
+            self.graphs = None
+
+    def __enter__(self) -> _Bench:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def forward(self, b: int, q: int, start: int | None = None) -> None:
         start = self.ctx if start is None else start
@@ -127,9 +145,22 @@ def measure(target, draft, **kw) -> dict:
 @torch.inference_mode()
 def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool = False, reps: int | None = None,
              log=print) -> dict:
-    Bs, qs = GRID_B, GRID_Q
     reps = reps or (5 if quick else 9)
-    tb = _Bench(target, block_size, max(Bs), ctx)
+    with _Bench(target, block_size, max(GRID_B), ctx) as tb:
+        out = _measure_target(tb, reps, log)
+        if draft is None:
+            out.update(draft_B=[1], draft_T=[0.0], catchup_per_token=0.0, catchup_c0=0.0, offload_s=0.0,
+                       reload_s=0.0, draft_bytes=0)
+            return out
+        with _Bench(draft, block_size, max(GRID_B), ctx) as db:
+            out.update(_measure_draft(tb, db, reps))
+            out.update(_transfer(draft, db.cache, reps))
+    return out
+
+
+def _measure_target(tb: _Bench, reps: int, log) -> dict:
+    """T(B, q) over the grid (interleaved passes, small B more often) and prefill seconds per token."""
+    Bs, qs = GRID_B, GRID_Q
     cells = [(i, j) for i in range(len(Bs)) for j in range(len(qs))]
     samples: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
     passes = SMALL_B_FACTOR * reps + 2
@@ -145,21 +176,18 @@ def _measure(target, draft, *, block_size: int = 16, ctx: int = 256, quick: bool
     raw = [[_stat(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
     T = monotone_grid(raw)
     pre = _quartile_time(lambda: tb.forward(1, 128, 0), reps)
-    out = {"B": Bs, "q": qs, "T": T, "T_raw": raw, "ctx": ctx,
-           "prefill_s_per_token": max(pre - T[0][0], 0.0) / 127}
-    if draft is not None:
-        db = _Bench(draft, block_size, max(Bs), ctx)
-        out["draft_B"] = Bs
-        out["draft_T"] = isotonic([_quartile_time(lambda: db.forward(b, 1), reps, before=lambda: tb.forward(b, 2))
-                                     for b in Bs])
-        c16 = _quartile_time(lambda: db.forward(1, 16, 0), reps)
-        c128 = _quartile_time(lambda: db.forward(1, 128, 0), reps)
-        out["catchup_per_token"] = max(c128 - c16, 0.0) / 112
-        out["catchup_c0"] = max(c16 - 16 * out["catchup_per_token"], 0.0)
-        out.update(_transfer(draft, db.cache, reps))
-    else:
-        out.update(draft_B=[1], draft_T=[0.0], catchup_per_token=0.0, catchup_c0=0.0, offload_s=0.0, reload_s=0.0,
-                   draft_bytes=0)
+    return {"B": Bs, "q": qs, "T": T, "T_raw": raw, "ctx": tb.ctx, "prefill_s_per_token": max(pre - T[0][0], 0.0) / 127}
+
+
+def _measure_draft(tb: _Bench, db: _Bench, reps: int) -> dict:
+    """T_draft(B) right after a target forward of B rows, and the catch-up line c0 + c1·tokens."""
+    out = {"draft_B": GRID_B,
+           "draft_T": isotonic([_quartile_time(lambda: db.forward(b, 1), reps, before=lambda: tb.forward(b, 2))
+                                for b in GRID_B])}
+    c16 = _quartile_time(lambda: db.forward(1, 16, 0), reps)
+    c128 = _quartile_time(lambda: db.forward(1, 128, 0), reps)
+    out["catchup_per_token"] = max(c128 - c16, 0.0) / 112
+    out["catchup_c0"] = max(c16 - 16 * out["catchup_per_token"], 0.0)
     return out
 
 

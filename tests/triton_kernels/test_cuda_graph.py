@@ -413,3 +413,18 @@ def test_engine_greedy_tokens_through_the_runner_equal_eager_with_an_offload_cyc
     assert t_stats["replays"] > 0 and d_stats["replays"] > 0
     assert d_stats["resets"] >= 1                          # the offload dropped the draft's graphs
     assert t_rows["replays"] > 0
+
+
+# ---- the planner's profile times what the engine runs ----------------------------------------------------
+def test_the_profile_bench_attaches_graphs_only_on_cuda_and_detaches_them():
+    from nightjar.offline.profile import _Bench
+
+    model = tiny()
+    with _Bench(model, 16, 4, 32) as bench:
+        bench.forward(2, 3)                                # B = 2, q = 3: a verify-shaped step
+        on_cuda = DEV == "cuda"
+        assert (bench.graphs is not None) == on_cuda and (getattr(model, "graph_runner", None) is not None) == on_cuda
+        if on_cuda:
+            bench.forward(2, 3)
+            assert bench.graphs.stats["captures"] == 1 and bench.graphs.stats["replays"] == 1
+    assert getattr(model, "graph_runner", None) is None and bench.graphs is None
