@@ -147,10 +147,21 @@ class _LinFit:
 
 
 class SwitchCostModel:
-    """Online ``C_switch(L_max, B)``: time for the draft to catch up its lag."""
+    """Online ``C_switch(L_max, B)``: time for the draft to catch up its lag.
+
+    ``robust`` (the model-based planner's): a catch-up that paid a one-off (a first run's compile, capture or
+    allocation, a stall) is not learnt, the way a shape's slow first step is not (policy_model.py ``_cold``):
+    the line is an undiscounted least-squares fit, one such catch-up would stay in it for good, and the
+    planner it priced would hold γ = 0 and never catch up again to correct it (bench/catchup_outlier.py:
+    one catch-up 1 s slow kept a B = 1 planner at γ = 0 for every later request). With a line (a seed or a
+    fit), a catch-up slower than ``OUTLIER`` times its prediction is not learnt, unless ``MAX_REJECTS`` in a
+    row were not (then the line is what is wrong). Without one, the first catch-up waits for the second and
+    the two judge each other (``_pair``)."""
+
+    OUTLIER, MAX_REJECTS = 3.0, 2
 
     def __init__(self, lag: str = "sum", seed: tuple[float, float] | None = None,
-                 discount: float = 1.0) -> None:
+                 discount: float = 1.0, robust: bool = False) -> None:
         if lag not in ("sum", "max"):
             raise ValueError(f"lag must be 'sum' or 'max', got {lag!r}")
         self.lag = lag
@@ -158,15 +169,54 @@ class SwitchCostModel:
         self._fit = _LinFit(discount)
         self.observations = 0
         self._coef: tuple | None = None         # (coef(),) until the next observation
+        self.robust = robust
+        self.rejected = self._in_a_row = 0      # catch-ups not learnt (``robust``), and how many in a row
+        self._pending: tuple[float, float] | None = None    # the first catch-up, while there is no line
 
     def observe(self, r: StepTimed) -> None:
         """Learn from a step that reported a catch-up."""
         if r.catchup_time_s <= 0.0 and r.catchup_tokens <= 0:
             return
-        x = r.catchup_tokens if self.lag == "sum" else r.max_draft_lag
-        self._fit.add(float(x), float(r.catchup_time_s))
+        x, y = float(r.catchup_tokens if self.lag == "sum" else r.max_draft_lag), float(r.catchup_time_s)
+        if not self.robust:
+            self._add(x, y)
+        elif self.coef() is None:
+            self._pair(x, y)
+        elif not self._one_off(x, y):
+            self._add(x, y)
+
+    def _add(self, x: float, y: float) -> None:
+        self._fit.add(x, y)
         self.observations += 1
         self._coef = None
+
+    def _one_off(self, x: float, y: float) -> bool:
+        """Slower than ``OUTLIER`` times the line's prediction (and not the ``MAX_REJECTS``+1-th in a row)."""
+        a, b = self.coef()
+        pred = a + b * x
+        out = pred > 0.0 and y > self.OUTLIER * pred and self._in_a_row < self.MAX_REJECTS
+        self._in_a_row = self._in_a_row + 1 if out else 0
+        self.rejected += out
+        return out
+
+    def _pair(self, x: float, y: float) -> None:
+        """No line yet: hold the first catch-up; with the second, learn both unless one is out of line with
+        the other (a catch-up of more tokens costs more, at most ``OUTLIER``·(x2/x1) times as much): then
+        only the faster one."""
+        if self._pending is None:
+            self._pending = (x, y)
+            return
+        (x1, y1), (x2, y2) = sorted([self._pending, (x, y)])
+        self._pending = None
+        if y2 > self.OUTLIER * (x2 / max(x1, 1.0)) * y1:
+            self.rejected += 1
+            self._add(x1, y1)
+        elif y1 > self.OUTLIER * y2:
+            self.rejected += 1
+            self._add(x2, y2)
+        else:
+            self._add(x1, y1)
+            self._add(x2, y2)
 
     def coef(self) -> tuple[float, float] | None:
         """Current (c0, c1): fitted, else the seed, else None (kept until the next observation)."""

@@ -234,7 +234,7 @@ class ModelNightjarPolicy(Policy):
         self.noise2 = 0.05 ** 2             # per-step squared relative deviation (EMA)
         self.pf_nx = self.pf_xx = 0.0       # prefill seconds/token: Σ n·resid, Σ n²  (discounted)
         self.pf_obs = 0
-        self.switch = SwitchCostModel("sum", self._catchup_seed())
+        self.switch = SwitchCostModel("sum", self._catchup_seed(), robust=True)
         self.switch_cost, self.prompt_charge, self.kv_cost = switch_cost, prompt_charge, kv_cost
         self.dwell, self._run = float(dwell0), 0
         self.new_tok = self.new_req = 0.0   # EMA of prompt tokens / prompts entering decode per step
@@ -276,7 +276,7 @@ class ModelNightjarPolicy(Policy):
         self._base = []
         self._set_model_var()
         if self.switch.observations == 0:
-            self.switch = SwitchCostModel("sum", self._catchup_seed())
+            self.switch = SwitchCostModel("sum", self._catchup_seed(), robust=True)
 
     def _set_model_var(self) -> None:
         """Prior of the step-time model: sd 8 % and 4 pseudo-samples with a profile; sd 30 % and half

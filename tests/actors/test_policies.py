@@ -13,6 +13,7 @@ import pytest
 from nightjar.actors.policies import (
     PlannerState,
     Policy,
+    SwitchCostModel,
     bucket,
     bucket_label,
     expected_tokens,
@@ -187,6 +188,36 @@ def test_switch_cost_model_is_learned_from_observed_catchups():
     by_max = make_policy("nightjar-paper", lag="max")
     by_max.observe(timed(4, 2, 0.01, 8, 10, 0.02, 40))
     assert by_max.switch.predict(20, 4) == pytest.approx(0.04)  # proportional in L_max
+
+
+def _catchup(tokens: int, seconds: float) -> StepTimed:
+    return StepTimed(step=1, batch_size=1, gamma=2, step_time_s=0.01, tokens_emitted=2, catchup_time_s=seconds,
+                     catchup_tokens=tokens, max_draft_lag=tokens)
+
+
+def test_a_robust_catchup_line_leaves_a_one_off_out_and_the_paper_baseline_keeps_it():
+    line = lambda x: 0.010 + 0.00005 * x                                    # noqa: E731  (seconds)
+    for spike_at in (0, 1, 2):
+        m = SwitchCostModel("sum", robust=True)
+        for i, x in enumerate((128, 128, 64, 96)):
+            m.observe(_catchup(x, line(x) + (1.0 if i == spike_at else 0.0)))
+        assert m.rejected == 1 and m.observations == 3, spike_at
+        assert m.predict(128, 1) == pytest.approx(line(128), rel=0.35), spike_at   # not the 1 s one-off
+    plain = SwitchCostModel("sum")
+    for i, x in enumerate((128, 128, 64, 96)):
+        plain.observe(_catchup(x, line(x) + (1.0 if i == 0 else 0.0)))
+    assert plain.rejected == 0 and plain.predict(128, 1) > 0.1              # the paper's line takes it in
+
+
+def test_a_robust_catchup_line_follows_a_level_that_really_moved():
+    m = SwitchCostModel("sum", seed=(0.0, 0.0001), robust=True)            # seed: 12.8 ms at 128 tokens
+    for _ in range(SwitchCostModel.MAX_REJECTS + 1):
+        m.observe(_catchup(128, 0.1))                                       # 8x the seed, again and again
+    assert m.rejected == SwitchCostModel.MAX_REJECTS and m.predict(128, 1) == pytest.approx(0.1)
+
+
+def test_the_nightjar_planner_prices_switching_with_the_robust_line():
+    assert make_policy("nightjar", 4).switch.robust and not make_policy("nightjar-paper", 4).switch.robust
 
 
 def steps_until_exploit_settles(tr: Trace, start: int, value: int, hold: int = 300) -> int:
