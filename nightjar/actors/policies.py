@@ -153,10 +153,11 @@ class SwitchCostModel:
     allocation, a stall) is not learnt, the way a shape's slow first step is not (policy_model.py ``_cold``):
     the line is an undiscounted least-squares fit, one such catch-up would stay in it for good, and the
     planner it priced would hold γ = 0 and never catch up again to correct it (bench/catchup_outlier.py:
-    one catch-up 1 s slow kept a B = 1 planner at γ = 0 for every later request). With a line (a seed or a
-    fit), a catch-up slower than ``OUTLIER`` times its prediction is not learnt, unless ``MAX_REJECTS`` in a
-    row were not (then the line is what is wrong). Without one, the first catch-up waits for the second and
-    the two judge each other (``_pair``)."""
+    one catch-up 1 s slow kept a B = 1 planner at γ = 0 for every later request). Once the fit has data, a
+    catch-up slower than ``OUTLIER`` times its prediction is not learnt, unless ``MAX_REJECTS`` in a row were
+    not (then the fit is what is wrong). Before, the first catch-up waits for the second and the two judge
+    each other (``_pair``); the seed (a profile's bare forwards, not the engine's catch-ups) prices switching
+    meanwhile but judges nothing."""
 
     OUTLIER, MAX_REJECTS = 3.0, 2
 
@@ -180,7 +181,7 @@ class SwitchCostModel:
         x, y = float(r.catchup_tokens if self.lag == "sum" else r.max_draft_lag), float(r.catchup_time_s)
         if not self.robust:
             self._add(x, y)
-        elif self.coef() is None:
+        elif self.observations == 0:
             self._pair(x, y)
         elif not self._one_off(x, y):
             self._add(x, y)
@@ -200,7 +201,7 @@ class SwitchCostModel:
         return out
 
     def _pair(self, x: float, y: float) -> None:
-        """No line yet: hold the first catch-up; with the second, learn both unless one is out of line with
+        """No fit yet: hold the first catch-up; with the second, learn both unless one is out of line with
         the other (a catch-up of more tokens costs more, at most ``OUTLIER``·(x2/x1) times as much): then
         only the faster one."""
         if self._pending is None:

@@ -209,11 +209,15 @@ def test_a_robust_catchup_line_leaves_a_one_off_out_and_the_paper_baseline_keeps
     assert plain.rejected == 0 and plain.predict(128, 1) > 0.1              # the paper's line takes it in
 
 
-def test_a_robust_catchup_line_follows_a_level_that_really_moved():
+def test_a_robust_catchup_line_follows_a_level_that_really_moved_and_a_seed_judges_nothing():
     m = SwitchCostModel("sum", seed=(0.0, 0.0001), robust=True)            # seed: 12.8 ms at 128 tokens
+    assert m.predict(128, 1) == pytest.approx(0.0128)                       # it prices switching meanwhile
+    m.observe(_catchup(128, 0.1))
+    m.observe(_catchup(128, 0.1))                                           # 8x the seed: learnt all the same
+    assert m.rejected == 0 and m.predict(128, 1) == pytest.approx(0.1)
     for _ in range(SwitchCostModel.MAX_REJECTS + 1):
-        m.observe(_catchup(128, 0.1))                                       # 8x the seed, again and again
-    assert m.rejected == SwitchCostModel.MAX_REJECTS and m.predict(128, 1) == pytest.approx(0.1)
+        m.observe(_catchup(128, 0.8))                                       # 8x the fit, again and again
+    assert m.rejected == SwitchCostModel.MAX_REJECTS and m.observations == 3 and m.predict(128, 1) > 0.3
 
 
 def test_the_nightjar_planner_prices_switching_with_the_robust_line():
