@@ -155,9 +155,10 @@ class SwitchCostModel:
     planner it priced would hold γ = 0 and never catch up again to correct it (bench/catchup_outlier.py:
     one catch-up 1 s slow kept a B = 1 planner at γ = 0 for every later request). Once the fit has data, a
     catch-up slower than ``OUTLIER`` times its prediction is not learnt, unless ``MAX_REJECTS`` in a row were
-    not (then the fit is what is wrong). Before, the first catch-up waits for the second and the two judge
-    each other (``_pair``); the seed (a profile's bare forwards, not the engine's catch-ups) prices switching
-    meanwhile but judges nothing."""
+    not (then the fit is what is wrong) or it is more than twice the tokens of any learnt so far (a line is
+    not trusted that far out: a batch's catch-up may cost more per token than one row's). Before, the first
+    catch-up waits for the second and the two judge each other (``_pair``); the seed (a profile's bare
+    forwards, not the engine's catch-ups) prices switching meanwhile but judges nothing."""
 
     OUTLIER, MAX_REJECTS = 3.0, 2
 
@@ -173,6 +174,7 @@ class SwitchCostModel:
         self.robust = robust
         self.rejected = self._in_a_row = 0      # catch-ups not learnt (``robust``), and how many in a row
         self._pending: tuple[float, float] | None = None    # the first catch-up, while there is no line
+        self._x_max = 0.0                       # the most tokens of a learnt catch-up
 
     def observe(self, r: StepTimed) -> None:
         """Learn from a step that reported a catch-up."""
@@ -188,14 +190,17 @@ class SwitchCostModel:
 
     def _add(self, x: float, y: float) -> None:
         self._fit.add(x, y)
+        self._x_max = max(self._x_max, x)
         self.observations += 1
         self._coef = None
 
     def _one_off(self, x: float, y: float) -> bool:
-        """Slower than ``OUTLIER`` times the line's prediction (and not the ``MAX_REJECTS``+1-th in a row)."""
+        """Slower than ``OUTLIER`` times the line's prediction, within twice the tokens learnt (and not the
+        ``MAX_REJECTS``+1-th in a row)."""
         a, b = self.coef()
         pred = a + b * x
-        out = pred > 0.0 and y > self.OUTLIER * pred and self._in_a_row < self.MAX_REJECTS
+        out = (pred > 0.0 and y > self.OUTLIER * pred and x <= 2.0 * self._x_max
+               and self._in_a_row < self.MAX_REJECTS)
         self._in_a_row = self._in_a_row + 1 if out else 0
         self.rejected += out
         return out

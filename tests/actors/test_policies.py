@@ -218,6 +218,8 @@ def test_a_robust_catchup_line_follows_a_level_that_really_moved_and_a_seed_judg
     for _ in range(SwitchCostModel.MAX_REJECTS + 1):
         m.observe(_catchup(128, 0.8))                                       # 8x the fit, again and again
     assert m.rejected == SwitchCostModel.MAX_REJECTS and m.observations == 3 and m.predict(128, 1) > 0.3
+    m.observe(_catchup(1024, 5.0))                                          # 8x the tokens: beyond the line
+    assert m.rejected == SwitchCostModel.MAX_REJECTS and m.observations == 4
 
 
 def test_the_nightjar_planner_prices_switching_with_the_robust_line():
