@@ -1,7 +1,7 @@
 """End-to-end engine throughput on random-weight large shapes with SYNTHETIC acceptance.
 
     python -m nightjar.bench.e2e_synthetic [--target 7b] [--draft 0.5b] [--acceptance 0.7] [--batches 1,8,32,64]
-        [--policies off,fixed:1,fixed:3,nightjar] [--tokens 128] [--reps 2] [--profile] [--detail]
+        [--policies off,fixed:1,fixed:3,nightjar] [--tokens 128] [--reps 2] [--detail]
 
 Random weights make real acceptance ~0, so drafts are accepted at a set rate (like vLLM's synthetic
 rejection sampler): the figures measure the engine and its kernels, NOT output quality. On a CPU
@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import tempfile
 import time
 from collections import Counter
 
@@ -73,39 +71,26 @@ def _graph_stats(model) -> Counter:
 
 def _detail(tap: RoundTap, eng, graphs: Counter, policy: str) -> str:
     """One line: the timed round's γ histogram, switches, offloads and graph replays/captures/eager steps; the
-    planner's snapshot (profile, level, acceptance, catch-up line, per-bucket arms) for a policy that has one."""
+    planner's snapshot (level, acceptance, catch-up line, per-bucket arms) for a policy that has one."""
     out = (f"#   {policy}: steps by γ {dict(sorted(tap.gammas.items()))}, {tap.switches} switches, "
            f"{tap.offloads} offloads, target graphs {dict(graphs)}")
     snap = eng.planner.policy.snapshot()
     if "contexts" in snap:
-        keep = ("profile", "level", "rho", "dwell", "c_switch", "prefill_s_per_token", "contexts")
+        keep = ("level", "rho", "dwell", "c_switch", "prefill_s_per_token", "contexts")
         out += "\n#   planner " + json.dumps({k: snap.get(k) for k in keep}, default=str)
     return out
 
 
-def measured_profile(target: LoadedModel, draft: LoadedModel, path: str) -> str:
-    """``--profile``: a quick planner profile of this pair (``nightjar profile``'s measurement, captured steps
-    on CUDA), written to ``path`` for the nightjar engines, as a server's ``--planner-profile auto`` would."""
-    from nightjar.offline.profile import build_profile
-
-    prof = build_profile(target.model, draft.model, name=f"measured:{target.source}", quick=True, log=lambda *_: None)
-    with open(path, "w") as f:
-        json.dump(prof.to_json(), f)
-    return path
-
-
 async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dtype: str,
-              detail: bool = False, profile: str | None = None) -> tuple[float, str]:
+              detail: bool = False) -> tuple[float, str]:
     """tok/s of the second of two rounds of ``batch`` concurrent requests on one engine (the first round
     captures the CUDA graphs of this batch's shapes, compiles Triton and starts the planner's learning), and
     with ``detail`` a description of that round (``_detail``)."""
     from nightjar.engine import Engine
-    from nightjar.engine_args import reads_profile
     from nightjar.sampling import SamplingParams
 
-    prof = profile if profile and reads_profile(policy, 4) else None
     async with Engine(policy=policy, loaded=pair, dtype=dtype, synthetic_acceptance=acceptance,
-                      max_num_seqs=max(batch, 1), num_blocks=batch * 16 + 64, planner_profile=prof) as eng:
+                      max_num_seqs=max(batch, 1), num_blocks=batch * 16 + 64) as eng:
         prompt = list(range(100, 228))                                    # 128 tokens
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
 
@@ -124,8 +109,29 @@ async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dty
         return rate, _detail(tap, eng, _graph_stats(pair[0].model) - g0, policy) if detail else ""
 
 
-def table(a: argparse.Namespace, pair, dtype: str, prof: str | None) -> None:
-    """Per B: each policy's tok/s (the median of ``a.reps`` interleaved runs) and adaptive / best static."""
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="7b")
+    ap.add_argument("--draft", default="0.5b")
+    ap.add_argument("--acceptance", type=float, default=0.7)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--policies", default="off,fixed:1,fixed:3,nightjar")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions (a fresh engine each); the median")
+    ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
+    ap.add_argument("--detail", action="store_true",
+                    help="per run: steps by γ, switches, offloads, graph stats and the planner's snapshot")
+    a = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16"
+    if a.small or device == "cpu":
+        a.target, a.draft, a.batches = "small-target", "small-draft", "1,4"
+    # built on threads that exit, so the engine's compute thread is alone (kernel/threads.py)
+    target = LoadedModel(on_fresh_thread(random_model, a.target, device, torch.bfloat16, 0), None, f"random-{a.target}")
+    draft = LoadedModel(on_fresh_thread(random_model, a.draft, device, torch.bfloat16, 1), None, f"random-{a.draft}")
+    print(f"# SYNTHETIC acceptance {a.acceptance} (drafts accepted at random; not the target's outputs)")
+    print(f"# target {a.target} ({target.model.weight_bytes() / 1e9:.2f} GB), draft {a.draft} "
+          f"({draft.model.weight_bytes() / 1e9:.2f} GB) on {device}, {a.tokens} tokens per request")
     policies = a.policies.split(",")
     static = [p for p in policies if p == "off" or p.startswith("fixed:")]
     adaptive = [p for p in policies if p not in static]
@@ -137,7 +143,7 @@ def table(a: argparse.Namespace, pair, dtype: str, prof: str | None) -> None:
         runs: dict[str, list[float]] = {p: [] for p in policies}
         for _ in range(a.reps):
             for p in policies:
-                rate, detail = asyncio.run(run(pair, p, B, a.tokens, a.acceptance, dtype, a.detail, prof))
+                rate, detail = asyncio.run(run((target, draft), p, B, a.tokens, a.acceptance, dtype, a.detail))
                 runs[p].append(rate)
                 if detail:
                     print(f"#   B = {B}, {rate:.1f} tok/s\n{detail}", flush=True)
@@ -145,37 +151,6 @@ def table(a: argparse.Namespace, pair, dtype: str, prof: str | None) -> None:
         best = max((med[p] for p in static), default=0.0)
         cells = [f"{med[p]:.1f}" for p in policies] + ([f"{med[p] / best:.2f}" for p in adaptive] if static else [])
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="7b")
-    ap.add_argument("--draft", default="0.5b")
-    ap.add_argument("--acceptance", type=float, default=0.7)
-    ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--policies", default="off,fixed:1,fixed:3,nightjar")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions (a fresh engine each); the median")
-    ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
-    ap.add_argument("--profile", action="store_true",
-                    help="measure a quick planner profile of the pair first and give it to the nightjar policies")
-    ap.add_argument("--detail", action="store_true",
-                    help="per run: steps by γ, switches, offloads, graph stats and the planner's snapshot")
-    a = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "bfloat16"
-    if a.small or device == "cpu":
-        a.target, a.draft, a.batches = "small-target", "small-draft", "1,4"
-    # built on threads that exit, so the engine's compute thread is alone (kernel/threads.py)
-    target = LoadedModel(on_fresh_thread(random_model, a.target, device, torch.bfloat16, 0), None, f"random-{a.target}")
-    draft = LoadedModel(on_fresh_thread(random_model, a.draft, device, torch.bfloat16, 1), None, f"random-{a.draft}")
-    with tempfile.TemporaryDirectory() as tmp:
-        prof = measured_profile(target, draft, os.path.join(tmp, "profile.json")) if a.profile else None
-        print(f"# SYNTHETIC acceptance {a.acceptance} (drafts accepted at random; not the target's outputs)")
-        print(f"# planner: {'a quick profile of this pair, measured first' if prof else 'the prior (no profile)'}")
-        print(f"# target {a.target} ({target.model.weight_bytes() / 1e9:.2f} GB), draft {a.draft} "
-              f"({draft.model.weight_bytes() / 1e9:.2f} GB) on {device}, {a.tokens} tokens per request")
-        table(a, (target, draft), dtype, prof)
     return 0
 
 

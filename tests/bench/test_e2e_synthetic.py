@@ -7,10 +7,8 @@ from nightjar.bench.e2e_synthetic import main
 
 
 def test_the_table_has_a_row_per_batch_and_detail_says_what_each_round_did(capsys):
-    assert main(["--tokens", "4", "--reps", "1", "--policies", "fixed:2,nightjar", "--detail", "--profile"]) == 0
+    assert main(["--tokens", "4", "--reps", "1", "--policies", "fixed:2,nightjar", "--detail"]) == 0
     out = capsys.readouterr().out
-    assert "# planner: a quick profile of this pair, measured first" in out
-    assert out.count('"profile": "measured:random-small-target"') == 2      # each nightjar engine priced with it
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)
     assert [r[0] for r in rows] == ["1", "4"]                                 # the CPU smoke batches
     for _, fixed, nj, ratio in rows:
