@@ -173,7 +173,7 @@ class SwitchCostModel:
         self._coef: tuple | None = None         # (coef(),) until the next observation
         self.robust = robust
         self.rejected = self._in_a_row = 0      # catch-ups not learnt (``robust``), and how many in a row
-        self._pending: tuple[float, float] | None = None    # the first catch-up, while there is no line
+        self._pending: tuple[float, float] | None = None    # the first catch-up, while the fit has no data
         self._x_max = 0.0                       # the most tokens of a learnt catch-up
 
     def observe(self, r: StepTimed) -> None:
