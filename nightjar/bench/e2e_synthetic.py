@@ -102,11 +102,13 @@ async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dty
             n = sum(await asyncio.gather(*[one() for _ in range(batch)]))
             return n / (time.perf_counter() - t0)
         await one_round()                                                  # warm-up at this batch
-        tap, g0 = RoundTap(), _graph_stats(pair[0].model)
-        eng.bus.add_tap(tap)
+        if not detail:
+            return await one_round(), ""
+        tap, g0 = RoundTap(), _graph_stats(pair[0].model)                 # only asked for: a tap costs a call
+        eng.bus.add_tap(tap)                                               # per envelope in the timed round
         rate = await one_round()
         eng.bus.remove_tap(tap)
-        return rate, _detail(tap, eng, _graph_stats(pair[0].model) - g0, policy) if detail else ""
+        return rate, _detail(tap, eng, _graph_stats(pair[0].model) - g0, policy)
 
 
 def main(argv=None) -> int:
