@@ -67,9 +67,16 @@ class Sim:
         return hist
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of seconds, got {text!r}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spikes", default="0,0.2,1.0", help="extra seconds of the first catch-up")
+    ap.add_argument("--spikes", default="0,0.2,1.0", type=_floats, help="extra seconds of the slow catch-up")
     ap.add_argument("--at", type=int, default=1, help="which catch-up (1 = the first) is slow")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
@@ -77,7 +84,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     print(f"| catch-up {a.at} extra s | " + " | ".join(f"round {i + 1} steps by γ" for i in range(a.rounds))
           + " | fitted (c0, c1) |\n|---|" + "---|" * (a.rounds + 1))
-    for spike in (float(x) for x in a.spikes.split(",")):
+    for spike in a.spikes:
         sim = Sim(spike, a.seed, a.at)
         rounds = [dict(sorted(sim.round(a.tokens).items())) for _ in range(a.rounds)]
         c = sim.p.switch.coef()

@@ -113,8 +113,8 @@ async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dty
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="7b")
-    ap.add_argument("--draft", default="0.5b")
+    ap.add_argument("--target", default="7b", choices=sorted(SHAPES))
+    ap.add_argument("--draft", default="0.5b", choices=sorted(SHAPES))
     ap.add_argument("--acceptance", type=float, default=0.7)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--policies", default="off,fixed:1,fixed:3,nightjar")
