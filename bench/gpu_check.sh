@@ -5,7 +5,8 @@
 #   2. bench/kernel_bench.py: each kernel vs its torch ref and vs the copy-bandwidth roofline
 #   3. bench/cuda_graph_bench.py: eager vs CUDA-graph step time on the 7B-shaped random target
 #      (CPU: a no-capture smoke run, no timing claim)
-#   4. python -m nightjar.bench.e2e_synthetic --detail (per run: γ histogram, offloads, the planner's snapshot)
+#   4. python -m nightjar.bench.e2e_synthetic --detail (the planner reads a quick profile measured first, as
+#      `serve` reads its cached one; per run: γ histogram, offloads, the planner's snapshot)
 # Every section runs under its own timeout; the script keeps going after a failed section and
 # exits non-zero at the end if any failed. Env: PYTHON (interpreter); section limits in seconds: TEST_TIMEOUT,
 # BENCH_TIMEOUT, GRAPH_TIMEOUT, E2E_TIMEOUT.
@@ -75,7 +76,7 @@ fi
 
 section "e2e synthetic"
 if "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('nightjar.bench') and u.find_spec('nightjar.bench.e2e_synthetic') else 1)" 2>/dev/null; then
-    run "e2e synthetic" "${E2E_TIMEOUT:-240}" "$PY" -m nightjar.bench.e2e_synthetic --detail
+    run "e2e synthetic" "${E2E_TIMEOUT:-300}" "$PY" -m nightjar.bench.e2e_synthetic --detail
 else
     echo "nightjar.bench.e2e_synthetic not found: skipped"
 fi

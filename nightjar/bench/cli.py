@@ -7,10 +7,10 @@ import json
 import math
 import sys
 
-from nightjar.bench.arrivals import TraceError, load_trace
 from nightjar.bench.datasets import DATASETS, DatasetError
 from nightjar.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
 from nightjar.bench.runner import BenchOptions
+from nightjar.offline.arrivals import TraceError, load_trace
 
 
 def _rate(text: str) -> float:

@@ -12,9 +12,9 @@ from typing import Any
 
 import aiohttp
 
-from nightjar.bench.arrivals import ArrivalPlan
 from nightjar.bench.datasets import BenchRequest, Tokenizer
 from nightjar.bench.metrics import RequestResult, Sample, parse_prometheus, pick_series
+from nightjar.offline.arrivals import ArrivalPlan
 
 log = logging.getLogger("nightjar.bench")
 

@@ -1,11 +1,13 @@
 """End-to-end engine throughput on random-weight large shapes with SYNTHETIC acceptance.
 
     python -m nightjar.bench.e2e_synthetic [--target 7b] [--draft 0.5b] [--acceptance 0.7] [--batches 1,8,32,64]
-        [--policies off,fixed:1,fixed:3,nightjar] [--tokens 128] [--reps 2] [--detail]
+        [--policies off,fixed:1,fixed:3,nightjar] [--tokens 128] [--reps 2] [--profile quick|none] [--detail]
 
 Random weights make real acceptance ~0, so drafts are accepted at a set rate (like vLLM's synthetic
 rejection sampler): the figures measure the engine and its kernels, NOT output quality. On a CPU
-``--small`` shrinks the shapes to a smoke test.
+``--small`` shrinks the shapes to a smoke test. The planner reads a step-time profile of these shapes measured
+here first (``--profile quick``, the grid of ``nightjar profile --quick``), as ``nightjar serve`` reads its
+cached one (``--planner-profile auto``); ``--profile none`` runs it on the generic prior.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import tempfile
 import time
 from collections import Counter
 
@@ -21,6 +24,7 @@ import torch
 from nightjar.kernel.threads import on_fresh_thread
 from nightjar.models import LlamaModel, LoadedModel
 from nightjar.models.config import ModelConfig
+from nightjar.offline.profile import build_profile
 
 SHAPES = {   # hidden, layers, heads, kv heads, mlp, vocab
     "7b": (4096, 32, 32, 8, 14336, 32000),
@@ -71,26 +75,39 @@ def _graph_stats(model) -> Counter:
 
 def _detail(tap: RoundTap, eng, graphs: Counter, policy: str) -> str:
     """One line: the timed round's γ histogram, switches, offloads and graph replays/captures/eager steps; the
-    planner's snapshot (level, acceptance, catch-up line, per-bucket arms) for a policy that has one."""
+    planner's snapshot (its profile, level, acceptance, catch-up line, per-bucket arms) for a policy that has one."""
     out = (f"#   {policy}: steps by γ {dict(sorted(tap.gammas.items()))}, {tap.switches} switches, "
            f"{tap.offloads} offloads, target graphs {dict(graphs)}")
     snap = eng.planner.policy.snapshot()
     if "contexts" in snap:
-        keep = ("level", "rho", "dwell", "c_switch", "prefill_s_per_token", "contexts")
+        keep = ("profile", "level", "rho", "dwell", "c_switch", "prefill_s_per_token", "contexts")
         out += "\n#   planner " + json.dumps({k: snap.get(k) for k in keep}, default=str)
     return out
 
 
+def measure_profile(pair, path: str) -> str:
+    """Measure the pair's quick step-time profile (``nightjar profile --quick --no-engine``), write it to ``path``
+    and say what it holds in one line."""
+    t0 = time.perf_counter()
+    prof = build_profile(pair[0].model, pair[1].model, name=f"measured:{pair[0].source}", quick=True,
+                         log=lambda s: None)
+    with open(path, "w") as f:
+        json.dump(prof.to_json(), f)
+    return (f"# planner profile measured here in {time.perf_counter() - t0:.0f} s (quick grid): target T(1, 1) "
+            f"{prof.T[0][0] * 1e3:.2f} ms, T({prof.B[-1]}, {prof.q[-1]}) {prof.T[-1][-1] * 1e3:.2f} ms, "
+            f"draft T(1) {prof.draft_T[0] * 1e3:.2f} ms")
+
+
 async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dtype: str,
-              detail: bool = False) -> tuple[float, str]:
+              detail: bool = False, profile: str | None = None) -> tuple[float, str]:
     """tok/s of the second of two rounds of ``batch`` concurrent requests on one engine (the first round
     captures the CUDA graphs of this batch's shapes, compiles Triton and starts the planner's learning), and
-    with ``detail`` a description of that round (``_detail``)."""
+    with ``detail`` a description of that round (``_detail``). ``profile``: a profile JSON the planner reads."""
     from nightjar.engine import Engine
     from nightjar.sampling import SamplingParams
 
     async with Engine(policy=policy, loaded=pair, dtype=dtype, synthetic_acceptance=acceptance,
-                      max_num_seqs=max(batch, 1), num_blocks=batch * 16 + 64) as eng:
+                      max_num_seqs=max(batch, 1), num_blocks=batch * 16 + 64, planner_profile=profile) as eng:
         prompt = list(range(100, 228))                                    # 128 tokens
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
 
@@ -121,11 +138,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions (a fresh engine each); the median")
     ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
+    ap.add_argument("--profile", choices=("quick", "none"), default="quick",
+                    help="the planner's step-time profile: measured here first (as `serve` does), or none (the prior)")
     ap.add_argument("--detail", action="store_true",
                     help="per run: steps by γ, switches, offloads, graph stats and the planner's snapshot")
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "bfloat16"
     if a.small or device == "cpu":
         a.target, a.draft, a.batches = "small-target", "small-draft", "1,4"
     # built on threads that exit, so the engine's compute thread is alone (kernel/threads.py)
@@ -135,6 +153,16 @@ def main(argv=None) -> int:
     print(f"# target {a.target} ({target.model.weight_bytes() / 1e9:.2f} GB), draft {a.draft} "
           f"({draft.model.weight_bytes() / 1e9:.2f} GB) on {device}, {a.tokens} tokens per request")
     policies = a.policies.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = None
+        if a.profile == "quick":
+            profile = f"{tmp}/profile.json"
+            print(measure_profile((target, draft), profile), flush=True)
+        return _table(a, (target, draft), policies, profile)
+
+
+def _table(a: argparse.Namespace, pair, policies: list[str], profile: str | None) -> int:
+    """The table: a row per B, the median of ``a.reps`` interleaved runs per policy, adaptive / best static."""
     static = [p for p in policies if p == "off" or p.startswith("fixed:")]
     adaptive = [p for p in policies if p not in static]
     ratios = [f"{p} / best static" for p in adaptive] if static else []
@@ -145,7 +173,7 @@ def main(argv=None) -> int:
         runs: dict[str, list[float]] = {p: [] for p in policies}
         for _ in range(a.reps):
             for p in policies:
-                rate, detail = asyncio.run(run((target, draft), p, B, a.tokens, a.acceptance, dtype, a.detail))
+                rate, detail = asyncio.run(run(pair, p, B, a.tokens, a.acceptance, "bfloat16", a.detail, profile))
                 runs[p].append(rate)
                 if detail:
                     print(f"#   B = {B}, {rate:.1f} tok/s\n{detail}", flush=True)

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from nightjar.bench import arrivals as arr
 from nightjar.bench.client import ClientConfig, run_load
 from nightjar.bench.datasets import BenchRequest, build_requests, load_tokenizer
 from nightjar.bench.metrics import METRICS, build_timeline, compute_metrics, load_summary, spec_summary
 from nightjar.bench.report import machine_info
+from nightjar.offline import arrivals as arr
 
 SCHEMA = "nightjar.bench/1"
 CLOSED_LOOP_POOL = 1000          # distinct requests cycled by closed-loop clients without --num-prompts

@@ -15,3 +15,12 @@ def test_the_table_has_a_row_per_batch_and_detail_says_what_each_round_did(capsy
         assert abs(float(ratio) - float(nj) / float(fixed)) < 0.01            # nightjar / the best static
     assert out.count("steps by γ") == 4 and out.count("#   planner {") == 2    # nightjar's snapshot, per run
     assert re.search(r"fixed:2: steps by γ \{0: 1, 2: \d+\}", out)           # a prefill step, then γ = 2
+    assert re.search(r"^# planner profile measured here in \d+ s", out, re.M)   # as `serve` reads its own
+    assert out.count('"profile": "measured:random-small-target"') == 2
+
+
+def test_without_a_profile_the_planner_runs_on_the_prior(capsys):
+    assert main(["--tokens", "4", "--reps", "1", "--batches", "1", "--policies", "nightjar", "--profile", "none",
+                 "--detail"]) == 0
+    out = capsys.readouterr().out
+    assert "planner profile" not in out and '"profile": null' in out

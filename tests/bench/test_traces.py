@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from nightjar.bench.arrivals import TRACE_DIR, TraceError, load_trace, parse_trace
 from nightjar.bench.cli import main
+from nightjar.offline.arrivals import TRACE_DIR, TraceError, load_trace, parse_trace
 
 SHIPPED = ["phased_low_surge_low", "spike", "oscillation", "worst_case", "azure_like_diurnal"]
 

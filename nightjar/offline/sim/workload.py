@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nightjar.bench.arrivals import Phase, gamma_gaps, load_trace, poisson_arrivals
+from nightjar.offline.arrivals import Phase, gamma_gaps, load_trace, poisson_arrivals
 
 # The paper's stress shapes: the rates (req/s) the shipped bench traces were scaled from ("paper_rate").
 STRESS_TRACES = {"spike": "spike", "oscillation": "oscillation", "worst": "worst_case"}

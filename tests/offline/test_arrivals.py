@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from nightjar.bench.arrivals import (
+from nightjar.offline.arrivals import (
     Phase,
     Trace,
     closed_loop_plan,
