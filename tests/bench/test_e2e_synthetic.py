@@ -24,3 +24,14 @@ def test_without_a_profile_the_planner_runs_on_the_prior(capsys):
                  "--detail"]) == 0
     out = capsys.readouterr().out
     assert "planner profile" not in out and '"profile": null' in out
+
+
+def test_a_failed_profile_measurement_is_said_and_the_planner_runs_on_the_prior(capsys, monkeypatch):
+    import nightjar.bench.e2e_synthetic as e2e
+
+    def fail(*_a, **_k):
+        raise RuntimeError("no graphs today")
+    monkeypatch.setattr(e2e, "build_profile", fail)
+    assert main(["--tokens", "4", "--reps", "1", "--policies", "nightjar", "--detail"]) == 0
+    out = capsys.readouterr().out
+    assert "measuring failed (RuntimeError: no graphs today)" in out and '"profile": null' in out
