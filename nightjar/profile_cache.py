@@ -32,7 +32,7 @@ from nightjar.sampling import ConfigError
 # mixed by default: int8 copies for calls of few rows, models/quant.py; 13: the cells of B <= 8 measured
 # three times as often, offline/profile.py; 14: bf16-packed forwards of 1-3 tokens padded to 4 rows, B = 1-2
 # steps 4-14 % faster, models/cpu_linear.py PACKED_MIN_ROWS; 15: the grid measures q = 4, γ = 3's verify, which
-# the padding makes cheaper than q = 3 at one row, instead of interpolating it, offline/profile.py),
+# the padding puts near q = 3 at one row, instead of interpolating it, offline/profile.py),
 # so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
 # ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) is part of the key too.
 KERNELS_VERSION = 15

@@ -42,13 +42,14 @@ from nightjar.models.llama import build_layout
 # One grid for both modes: the planner reads T up to B = 64 and q = Γmax + 1 = 5, and a quick grid that
 # stopped at B = 8, q = 3 extrapolated a B = 64 step at 2.4x its real cost and γ = 4 at B = 4 as nearly free.
 # q = 4 is γ = 3's verify: at one row a bf16 forward of 1-3 tokens is padded to 4 rows (models/cpu_linear.py), so
-# T(1, 4) is not between T(1, 3) and T(1, 5) (measured 14.41 ms against 14.75 and 14.73: interpolated it was ~2 %
-# too dear for γ = 3, the choice one row most often makes; docs/benchmarks.md, twenty-fifth session).
+# T(1, 4) sits near T(1, 3), not halfway to T(1, 5) (14.41 ms against 14.75 and 14.73 on a profile bench; 15.68
+# against 15.64 and 16.58 in the first quick profile with the cell): interpolated, γ = 3, the choice one row most
+# often makes, was priced 2-3 % too dear (docs/benchmarks.md, twenty-fifth session).
 GRID_B, GRID_Q = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 4, 5]
 # Cells up to this batch size get SMALL_B_FACTOR times the repetitions: there the planner's arms are 5-10 %
 # apart, while between quick profiles T(B, q)/T(B, 1) varied by 4.3 % sd (up to 10.5 %) with 5 repetitions,
-# 2.6 % (up to 5.5 %) with 15; a pass over these cells (B <= 8) costs ~0.5 s against ~2.1 s for the others
-# (docs/benchmarks.md: a quick profile took 3 s longer).
+# 2.6 % (up to 5.5 %) with 15; with q = 1, 2, 3, 5 a pass over these cells cost ~0.4 s against ~1.7 s for the
+# others (docs/benchmarks.md: a quick profile took 3 s longer).
 SMALL_B, SMALL_B_FACTOR = 8, 3
 
 
