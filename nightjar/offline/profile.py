@@ -5,7 +5,7 @@
 Measures (lower quartile of interleaved repetitions after two warm-up passes, on a worker thread):
   T_target(B, q)  one target forward of B rows x q tokens at context ``--ctx`` (logits for all q; on CUDA a
                   captured graph's replay, as the engine runs it, models/cuda_graph.py),
-                  B in {1,2,4,8,16,32,64}, q in {1,2,3,5} (the same grid with --quick, fewer repetitions;
+                  B in {1,2,4,8,16,32,64}, q in {1,2,3,4,5} (the same grid with --quick, fewer repetitions;
                   the cells of B <= 8 three times as many as the others);
                   then made non-decreasing in q and in B (isotonic regression; the raw grid is kept in
                   meta["T_raw"]): noise on a shared CPU can make a 2-token step look cheaper than a
