@@ -1,13 +1,14 @@
-"""``nightjar trace summary FILE [--phases N] [--png OUT.png]``: what happened, phase by phase.
+"""``nightjar trace summary FILE [--phases N] [--png OUT.png] [--by-gamma]``: what happened, phase by phase.
 
 Time is split into N equal windows (default 10). Per window: arrivals, output tokens/s, decode steps,
 mean batch size, γ distribution, acceptance rate (accepted / drafted), draft offloads/reloads, KV pool
 size and the lowest free-block count. ``--png`` draws batch size, γ, free KV blocks and draft residency
-against time (matplotlib, Agg).
+against time (matplotlib, Agg). ``--by-gamma`` adds what each γ's decode-only steps cost (``gamma_rows``).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from nightjar.kernel.messages import (
     DraftReloaded,
     DraftResidency,
     PoolResized,
+    StepScheduled,
     StepTimed,
     SubmitRequest,
     TokensCommitted,
@@ -38,6 +40,7 @@ class Timeline:
     offloads: list[float] = field(default_factory=list)
     reloads: list[float] = field(default_factory=list)
     resizes: list[tuple[float, int]] = field(default_factory=list)           # (t, num_total)
+    scheduled: dict[int, float] = field(default_factory=dict)                 # step → t of its StepScheduled
 
 
 def load_timeline(path: str, **reader_kw) -> Timeline:
@@ -52,6 +55,8 @@ def load_timeline(path: str, **reader_kw) -> Timeline:
                 tl.arrivals.append(t)
             case TokensCommitted():
                 tl.tokens.append((t, sum(m.counts)))
+            case StepScheduled():
+                tl.scheduled[m.step] = t
             case StepTimed():
                 tl.steps.append((t, m))
             case BlocksReserved():
@@ -109,6 +114,40 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gamma_rows(tl: Timeline) -> list[dict]:
+    """Per γ, over decode steps without prefill tokens: steps, tokens a step, mean step and draft-pass ms and,
+    over those whose next step was scheduled right after (step n+1), the wall-clock period per token (catch-up
+    taken out, as the planner learns it) and the median period outside the step (bus, hand-offs, bookkeeping)."""
+    by: dict[int, list[StepTimed]] = {}
+    for _, s in tl.steps:
+        if s.batch_size > 0 and s.num_prefill_tokens == 0:
+            by.setdefault(s.gamma, []).append(s)
+    rows = []
+    for g, ss in sorted(by.items()):
+        tok = sum(s.tokens_emitted for s in ss)
+        per = [(tl.scheduled[s.step + 1] - tl.scheduled[s.step] - s.catchup_time_s, s) for s in ss
+               if s.step in tl.scheduled and s.step + 1 in tl.scheduled]
+        ptok = sum(s.tokens_emitted for _, s in per)
+        rows.append({"gamma": g, "steps": len(ss), "tok_step": tok / len(ss),
+                     "step_ms": 1e3 * sum(s.step_time_s for s in ss) / len(ss),
+                     "draft_ms": 1e3 * sum(s.draft_time_s for s in ss) / len(ss),
+                     "period_ms_tok": 1e3 * sum(p for p, _ in per) / ptok if ptok else None,
+                     "outside_ms": 1e3 * statistics.median(p - s.step_time_s for p, s in per) if per else None})
+    return rows
+
+
+def format_gamma_table(rows: list[dict]) -> str:
+    head = (f"{'γ':>3} {'steps':>6} {'tok/step':>8} {'step ms':>8} {'draft ms':>8} {'period ms/tok':>13} "
+            f"{'outside ms':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        per = "-" if r["period_ms_tok"] is None else f"{r['period_ms_tok']:.2f}"
+        out = "-" if r["outside_ms"] is None else f"{r['outside_ms']:.3f}"
+        lines.append(f"{r['gamma']:>3} {r['steps']:>6} {r['tok_step']:>8.2f} {r['step_ms']:>8.2f} "
+                     f"{r['draft_ms']:>8.2f} {per:>13} {out:>10}")
+    return "\n".join(lines)
+
+
 def plot_timeline(tl: Timeline, out: str, title: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -150,6 +189,9 @@ def cmd_summary(a: argparse.Namespace) -> int:
     print(f"{a.file}: {len(tl.arrivals)} requests, {total} tokens in {tl.t_end:.2f} s "
           f"({total / max(tl.t_end, 1e-9):.1f} tok/s), {len(tl.offloads)} offloads, {len(tl.reloads)} reloads")
     print(format_table(rows))
+    if a.by_gamma:
+        print("\nby γ, decode steps without prefill (period: from the step's StepScheduled to the next one's)")
+        print(format_gamma_table(gamma_rows(tl)))
     if a.png:
         plot_timeline(tl, a.png, a.file)
         print(f"wrote {a.png}")
@@ -163,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--phases", type=int, default=10, help="number of equal time windows")
     s.add_argument("--png", default=None, help="write a timeline plot here")
+    s.add_argument("--by-gamma", action="store_true", help="also what each γ's decode steps cost")
     s.add_argument("--allow-schema-drift", action="store_true")
     s.add_argument("--allow-truncated", action="store_true")
     s.set_defaults(func=cmd_summary)

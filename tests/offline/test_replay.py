@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,33 @@ def test_trace_summary_prints_a_phase_table_and_draws_a_timeline(tmp_path, capsy
     assert trace_main(["summary", str(golden), "--phases", "4", "--png", str(png), "--allow-schema-drift"]) == 0
     out = capsys.readouterr().out
     assert "mean B" in out and len(out.splitlines()) >= 7 and png.stat().st_size > 1000
+
+
+def test_trace_summary_by_gamma_accounts_for_every_decode_step_and_its_period():
+    from nightjar.kernel.trace import read_trace
+    from nightjar.offline.trace_summary import gamma_rows, load_timeline
+
+    path = Path(__file__).parent / "replay" / "tiny_nightjar.njtrace"
+    rows = gamma_rows(load_timeline(str(path)))
+    _, envs, _ = read_trace(path)
+    timed = [e.msg for e in envs if isinstance(e.msg, StepTimed) and e.msg.batch_size and not e.msg.num_prefill_tokens]
+    sched = {e.msg.step: e.t for e in envs if isinstance(e.msg, StepScheduled)}
+    assert {r["gamma"]: r["steps"] for r in rows} == dict(Counter(s.gamma for s in timed))
+    assert len(rows) >= 2                                            # the planner played more than one γ
+    for r in rows:
+        ss = [s for s in timed if s.gamma == r["gamma"]]
+        assert r["tok_step"] == pytest.approx(sum(s.tokens_emitted for s in ss) / len(ss))
+        follow = [s for s in ss if s.step + 1 in sched]
+        if follow:                                                   # period: one StepScheduled to the next
+            per = sum(sched[s.step + 1] - sched[s.step] - s.catchup_time_s for s in follow)
+            assert r["period_ms_tok"] == pytest.approx(1e3 * per / sum(s.tokens_emitted for s in follow))
+            assert r["period_ms_tok"] * r["tok_step"] > 0.5 * r["step_ms"]     # a period holds its step
+
+
+def test_trace_summary_prints_the_by_gamma_table(capsys):
+    from nightjar.offline.trace_summary import main as trace_main
+
+    path = Path(__file__).parent / "replay" / "tiny_nightjar.njtrace"
+    assert trace_main(["summary", str(path), "--phases", "2", "--by-gamma"]) == 0
+    out = capsys.readouterr().out
+    assert "by γ, decode steps without prefill" in out and "period ms/tok" in out
