@@ -102,12 +102,16 @@ async def run(pair, policy: str, batch: int, tokens: int, acceptance: float, dty
               detail: bool = False, profile: str | None = None) -> tuple[float, str]:
     """tok/s of the second of two rounds of ``batch`` concurrent requests on one engine (the first round
     captures the CUDA graphs of this batch's shapes, compiles Triton and starts the planner's learning), and
-    with ``detail`` a description of that round (``_detail``). ``profile``: a profile JSON the planner reads."""
+    with ``detail`` a description of that round (``_detail``). ``profile``: a profile JSON, given to a policy that
+    reads one, as ``serve`` gives its cached one (engine_args.py ``reads_profile``)."""
     from nightjar.engine import Engine
+    from nightjar.engine_args import reads_profile
+    from nightjar.kernel.config import EngineConfig
     from nightjar.sampling import SamplingParams
 
+    prof = profile if profile and reads_profile(policy, EngineConfig().gamma_max) else None
     async with Engine(policy=policy, loaded=pair, dtype=dtype, synthetic_acceptance=acceptance,
-                      max_num_seqs=max(batch, 1), num_blocks=batch * 16 + 64, planner_profile=profile) as eng:
+                      max_num_seqs=max(batch, 1), num_blocks=batch * 16 + 64, planner_profile=prof) as eng:
         prompt = list(range(100, 228))                                    # 128 tokens
         sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
 
