@@ -11,7 +11,7 @@ A policy that ``learns_periods`` (the model-based ``nightjar``) learns step time
 wall-clock period, from its StepScheduled to the next one's (envelope times, so replay sees the same), less its
 catch-up: what the step cost the engine, the bus and thread hand-offs included, which differ between a γ = 0
 step (run ahead, actors/verifier.py) and a drafting one. A period is used only when the next step follows on
-(some row goes on, the period under 3× the step's model time + 20 ms); else that step's time is not learnt.
+(some row goes on, the period under 3× the step's measured forward time + 20 ms); else that step's time is not learnt.
 
 A γ = 0 decision of a policy that ``holds_zero`` (or with no draft to run) stands for the next step as well
 (``StepPlanned.next_zero``): the verifier may start that step before this one commits (a run-ahead,
