@@ -35,11 +35,11 @@ log = logging.getLogger("nightjar.deploy")
 BOARD_NAMESPACE = "nightjar"
 METRICS_PUSH_S = 2.0
 REPLICA_HEADER = "X-Nightjar-Replica"     # which replica answered (its Serve replica id)
-METRICS_MAX_AGE_S = 10.0
+METRICS_MAX_AGE_S = 10.0    # a replica silent this long (dead, restarting) leaves GET /metrics
 # A replica that fails before its first reply byte: the request goes to another one (nothing reached the
 # client yet), at most RETRIES times, RETRY_DELAY_S apart (Serve's router learns of the death meanwhile).
 RETRIES = 2
-RETRY_DELAY_S = 0.25        # a replica silent this long (dead, restarting) leaves GET /metrics
+RETRY_DELAY_S = 0.25
 
 
 @ray.remote(num_cpus=0)
