@@ -79,6 +79,10 @@ def _serve_cluster(a: argparse.Namespace) -> int:
         opts.check()
         if a.trace is not None:
             raise ValueError("--trace is per process: not supported with --replicas")
+        given = ["--" + k.replace("_", "-") for k, default in CLIENT_LIMITS.items() if getattr(a, k) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not supported with --replicas (Ray Serve's HTTP proxy holds "
+                             "the client connections, not Nightjar's server)")
         serve_cluster(engine_kwargs(a), opts)
     except (ValueError, ConnectionError, RuntimeError) as e:
         if os.environ.get("NIGHTJAR_DEBUG"):
@@ -118,6 +122,9 @@ def _positive(kind):
     return parse
 
 
+CLIENT_LIMITS = {"header_timeout": 10.0, "body_timeout": 30.0, "max_connections": 512, "keepalive_timeout": 75.0}
+
+
 def _server_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -126,14 +133,15 @@ def _server_args(s: argparse.ArgumentParser) -> None:
                         "the process list (ps); prefer the NIGHTJAR_API_KEY environment variable, which is read "
                         "when this flag is absent")
     g = s.add_argument_group("client limits")
-    g.add_argument("--header-timeout", type=_positive(float), default=10.0, metavar="S",
+    g.add_argument("--header-timeout", type=_positive(float), default=CLIENT_LIMITS["header_timeout"], metavar="S",
                    help="seconds from a request's first byte to its complete head; slower clients are dropped "
                         "(default 10)")
-    g.add_argument("--body-timeout", type=_positive(float), default=30.0, metavar="S",
+    g.add_argument("--body-timeout", type=_positive(float), default=CLIENT_LIMITS["body_timeout"], metavar="S",
                    help="seconds to receive a request body; slower clients get a 408 and are dropped (default 30)")
-    g.add_argument("--max-connections", type=_positive(int), default=512, metavar="N",
+    g.add_argument("--max-connections", type=_positive(int), default=CLIENT_LIMITS["max_connections"], metavar="N",
                    help="open client connections; more get a 503 and are closed (default 512)")
-    g.add_argument("--keepalive-timeout", type=_positive(float), default=75.0, metavar="S",
+    g.add_argument("--keepalive-timeout", type=_positive(float), default=CLIENT_LIMITS["keepalive_timeout"],
+                   metavar="S",
                    help="seconds an idle keep-alive connection stays open (default 75)")
 
 

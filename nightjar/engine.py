@@ -307,7 +307,7 @@ class Engine:
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes the engine holds on its device now (the budget covers their sum)."""
-        draft_w = sum(p.numel() * p.element_size() for p in self.draft.model.parameters()) if self.draft else 0
+        draft_w = self.draft.model.weight_bytes() if self.draft else 0     # as the budget counts them, packed too
         draft_kv = self.weights.slot.cache.nbytes if self.weights.slot else 0
         out = {"target": self.target.model.weight_bytes(), "draft_weights": draft_w, "draft_kv": draft_kv,
                "kv_pool": self.cache.nbytes}

@@ -54,6 +54,7 @@ def test_forced_offload_and_reload_cycles_keep_greedy_tokens_and_move_exact_byte
             resized = events_of(eng, (PoolResized,))
             timed = events_of(eng, (StepTimed,))
             before = eng.device_bytes()
+            assert before["draft_weights"] == eng.memory.draft_bytes > 0      # what the budget counted
             block = eng.memory.block_bytes
             n_draft = eng.memory.draft_footprint // block
             job = asyncio.ensure_future(run_all(eng, prompts, params, stagger=0.002))

@@ -12,6 +12,7 @@ from nightjar.cli import main
     (["--min-replicas", "1"], "go together"),
     (["--replicas", "2", "--replica-cpus", "-1"], "--replica-cpus"),
     (["--replicas", "2", "--trace", "t.jsonl"], "--trace"),
+    (["--replicas", "2", "--max-connections", "8", "--body-timeout", "5"], "--body-timeout, --max-connections: not"),
     (["--replicas", "2", "--ray-address", "nonsense"], "--ray-address"),
     (["--replicas", "2", "--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
 ])
