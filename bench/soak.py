@@ -1,7 +1,7 @@
 """Soak: a real ``nightjar serve`` under a tight ``--device-memory`` budget, driven with mixed traffic and
 cut streams for N minutes, then checked.
 
-    .venv/bin/python bench/soak.py --minutes 3 [--device-memory 340000000] [--concurrency 24]
+    .venv/bin/python bench/soak.py --minutes 3 [--device-memory 412000000] [--concurrency 24]
                                    [--rounds 3] [--output-json soak.json] [--server-args "..."]
 
 Each round is a burst (``--concurrency`` workers) then a calm tail (one worker), then no load: the script
@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--burst-frac", type=float, default=0.7, help="share of a round at full concurrency")
     p.add_argument("--concurrency", type=int, default=24, help="workers in a round's burst (the tail has one)")
-    p.add_argument("--device-memory", default="340000000")
+    p.add_argument("--device-memory", default="412000000",
+                   help="the engine's budget (default: the bf16 pair's weights with their packed copies, "
+                        "and 93 KV blocks)")
     p.add_argument("--policy", default="nightjar")
     p.add_argument("--header-timeout", type=float, default=10.0)
     p.add_argument("--body-timeout", type=float, default=10.0)

@@ -29,7 +29,8 @@ def test_an_empty_pool_always_qualifies_for_reload_whatever_the_limits():
 
 
 def test_the_issue_case_reloads_once_about_half_the_base_pool_is_free():
-    """--device-memory 340000000 with the defaults: 101 base blocks, a 91-block draft, headroom 160."""
+    """The issue's case (--device-memory 340000000 before the packed copies counted): 101 base blocks, a 91-block
+    draft, headroom 160."""
     t = triggers_of(91, EngineConfig())
     assert t.headroom_blocks == 160
     total = 101 + 91
