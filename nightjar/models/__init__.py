@@ -8,11 +8,13 @@ from pathlib import Path
 import torch
 
 from nightjar.models.config import ModelConfig
+from nightjar.models.cpu_linear import bound_onednn_caches
 from nightjar.models.eagle import is_head_dir, load_head
 from nightjar.models.llama import BatchLayout, LlamaModel, build_layout
 from nightjar.models.tokenizer import ChatTokenizer
 
 log = logging.getLogger("nightjar.models")
+bound_onednn_caches()
 
 DRAFTS_DIR = Path(__file__).parent / "drafts"
 HEAD_DRAFT_DIR = DRAFTS_DIR / "smollm2-135m-head"               # the EAGLE-3-style head (models/eagle.py)

@@ -13,6 +13,7 @@ plus a packed copy that is dropped on release and rebuilt after a reload (both c
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -23,6 +24,22 @@ PACKED_MIN_ROWS = 4
 13.0-15.2 ms at 1-2 rows against 11.4-13.3 ms at 4 in two runs (11.1-14.0 at 3-6; from 7 rows compute
 adds up), the LM head 2.4 against 2.0-2.3 ms: a padded row costs nothing there, and a B = 1-2 step of 1-3
 tokens took 0.86-0.96x its unpadded time (docs/benchmarks.md, "Small forwards padded to four rows")."""
+
+
+ONEDNN_CACHE_CAPACITY = 256
+"""Entries oneDNN's primitive cache and ideep's computation cache may each hold, unless the environment
+says otherwise (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``). Both default to 1024 and
+keep one entry per GEMM shape (~0.5 MB each for this model's projections, JIT code included): a server
+that sees many row counts (prefill chunks, γ changes, catch-up passes) grew its RSS by hundreds of MiB
+until they filled (docs/benchmarks.md, "Soak"). A miss costs ~0.5 ms a GEMM shape on this box; 256
+entries hold the shapes of several steps."""
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap both caches at ``capacity`` where the environment sets no capacity of its own. They read it at
+    their first use, so this runs before any oneDNN op: when ``nightjar.models`` is imported."""
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(capacity))
 
 
 def is_packed(m: nn.Module) -> bool:
