@@ -26,13 +26,13 @@ adds up), the LM head 2.4 against 2.0-2.3 ms: a padded row costs nothing there, 
 tokens took 0.86-0.96x its unpadded time (docs/benchmarks.md, "Small forwards padded to four rows")."""
 
 
-ONEDNN_CACHE_CAPACITY = 256
-"""Entries oneDNN's primitive cache and ideep's computation cache may each hold, unless the environment
-says otherwise (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``). Both default to 1024 and
-keep one entry per GEMM shape (~0.5 MB each for this model's projections, JIT code included): a server
-that sees many row counts (prefill chunks, γ changes, catch-up passes) grew its RSS by hundreds of MiB
-until they filled (docs/benchmarks.md, "Soak"). A miss costs ~0.5 ms a GEMM shape on this box; 256
-entries hold the shapes of several steps."""
+ONEDNN_CACHE_CAPACITY = 512
+"""Entries oneDNN's primitive cache and ideep's computation cache (oneDNN's C++ wrapper inside torch) may each
+hold, unless the environment says otherwise (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``).
+Both default to 1024 and keep an entry per GEMM shape with its JIT-compiled kernel, ~0.3-0.45 MB each on
+this box; a server that sees many row counts (prefill chunks, γ changes, catch-up passes) grew its RSS by
+hundreds of MiB until they filled (docs/benchmarks.md, "Soak"). A shape neither cache holds costs ~0.5 ms
+to compile again, so the bound is a trade: 256 each cost 5 % of throughput at 64 concurrent requests."""
 
 
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
