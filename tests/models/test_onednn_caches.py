@@ -1,5 +1,5 @@
-"""ideep's computation cache is bounded (models/cpu_linear.py): a packed linear called at many row counts stops
-growing the process once oneDNN's own primitive cache (1024 entries by default) is full."""
+"""oneDNN's primitive cache and ideep's computation cache are bounded (models/cpu_linear.py): a packed linear
+called at many row counts stops growing the process once they are full."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-from nightjar.models.cpu_linear import IDEEP_CACHE_CAPACITY, packing_available
+from nightjar.models.cpu_linear import ONEDNN_CACHE_CAPACITY, packing_available
+
+VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 # Runs in a fresh process: the caches read their capacity once, at their first use. Prints the MiB the
 # process grew by over row counts [warm + 1, end), after row counts [1, warm] were seen.
@@ -31,20 +33,20 @@ print(rows({warm} + 1, {end}) - start)
 
 
 def _run(code: str, **env) -> str:
-    base = {k: v for k, v in os.environ.items() if k != "LRU_CACHE_CAPACITY"}
+    base = {k: v for k, v in os.environ.items() if k not in VARS}
     return subprocess.run([sys.executable, "-c", code], env=base | env, capture_output=True, text=True,
                           check=True).stdout
 
 
 def test_importing_models_sets_a_capacity_unless_the_environment_has_one():
-    code = "import os, nightjar.models; print(os.environ['LRU_CACHE_CAPACITY'])"
-    assert _run(code).split() == [str(IDEEP_CACHE_CAPACITY)]
-    assert _run(code, LRU_CACHE_CAPACITY="7").split() == ["7"]
+    code = "import os, nightjar.models; print(*(os.environ[v] for v in %r))" % (VARS,)
+    assert _run(code).split() == [str(ONEDNN_CACHE_CAPACITY)] * 2
+    assert _run(code, LRU_CACHE_CAPACITY="7").split() == [str(ONEDNN_CACHE_CAPACITY), "7"]
 
 
 @pytest.mark.skipif(not packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 kernels")
 def test_new_row_counts_stop_growing_the_process_once_the_caches_are_full():
-    # 1100 row counts fill oneDNN's primitive cache; 500 more add ~0.3 MB each to ideep's cache at its own
-    # default (1024 entries), and nothing that lasts at nightjar's bound.
-    code = GROWTH.format(warm=1100, end=1600)
+    # 600 row counts fill both caches at nightjar's bound; 500 more replace entries. At torch's default bound
+    # (1024 each) the same 500 add ~0.3-0.45 MB each.
+    code = GROWTH.format(warm=600, end=1100)
     assert float(_run(code)) < 40
