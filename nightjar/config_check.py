@@ -15,7 +15,7 @@ MAX_TREE = 8
 
 def check_config(cfg: EngineConfig, models: bool = True) -> None:
     """Raise the first ConfigError of ``cfg``; ``models`` also checks that the model and draft exist."""
-    for check in (_numbers, _dtype_device, _policy, _planner_profile) + ((_models,) if models else ()):
+    for check in (_numbers, _dtype_device, _policy, _planner_profile, _ngram) + ((_models,) if models else ()):
         check(cfg)
 
 
@@ -82,11 +82,30 @@ def _planner_profile(c: EngineConfig) -> None:
         raise ConfigError("planner_profile", f"not a `nightjar profile` JSON file: {e}") from None
 
 
+def _ngram(c: EngineConfig) -> None:
+    """``ngram[:MIN-MAX]`` (actors/draft_ngram.py): well formed, and no option that only a drafter with weights
+    takes."""
+    from nightjar.actors.draft_ngram import parse_ngram
+
+    try:
+        if parse_ngram(c.draft) is None:
+            return
+    except ValueError as e:
+        raise ConfigError("draft", str(e)) from None
+    if c.draft_quantization not in (None, "none"):
+        raise ConfigError("draft_quantization", "the n-gram drafter has no weights to quantize")
+    if c.draft_tree:
+        raise ConfigError("draft_tree", "needs a draft head (--draft default or a head directory), not the n-gram "
+                          "drafter")
+
+
 def _models(c: EngineConfig) -> None:
+    from nightjar.actors.draft_ngram import parse_ngram
     from nightjar.models import NAMED_DRAFTS, resolve_model_path
 
     for name, spec in (("model", c.model), ("draft", c.draft)):
-        if name == "draft" and (spec in (None, "", "none", "random") or spec in NAMED_DRAFTS):
+        if name == "draft" and (spec in (None, "", "none", "random") or spec in NAMED_DRAFTS
+                                or parse_ngram(spec) is not None):
             continue
         try:
             resolve_model_path(spec)

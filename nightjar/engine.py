@@ -17,6 +17,7 @@ from nightjar.actors.admission import context_limit
 from nightjar.actors.control import ControlSpec
 from nightjar.actors.draft import DraftBuffers, DraftExecutor
 from nightjar.actors.draft_head import HeadDraftExecutor
+from nightjar.actors.draft_ngram import NgramDraftExecutor, parse_ngram
 from nightjar.actors.verifier import Verifier
 from nightjar.actors.weights import DraftSlot
 from nightjar.config_check import check_config
@@ -211,7 +212,7 @@ class Engine:
         if self._loaded is not None:
             return self._loaded
         target = _load_or_explain("model", c.model, lambda: load_quantized(c.model, c.dtype, c.device, c.quantization))
-        if c.policy == "off":
+        if c.policy == "off" or self.ngram is not None:        # the n-gram drafter has no weights to load
             return target, None
         dq = draft_mode(c.quantization, c.draft_quantization)
         return target, _load_or_explain("draft", c.draft, lambda: load_quantized(
@@ -266,7 +267,8 @@ class Engine:
         kv = built["kv"]
         kv.cache, self.allocator = self.cache, kv.alloc
         slot = self._draft_slot()
-        self.weights.slot = slot
+        if self.ngram is None:          # the n-gram drafter keeps the control plane's StubSlot: weightless, resident
+            self.weights.slot = slot
         self.weights.await_quiesced = slot is not None     # the draft executor says when it stops touching it
         self._attach_graphs(slot)
         buffers = DraftBuffers()
@@ -276,7 +278,11 @@ class Engine:
                   Verifier(self.target.model, self.cache, c.block_size, buffers, c.seed, c.synthetic_acceptance,
                            capture=capture, eos_ids=spec.eos_token_ids, max_model_len=spec.max_len,
                            run_ahead=c.run_ahead)]
-        if slot is not None:
+        if self.ngram is not None:
+            actors.append(NgramDraftExecutor(buffers, c.seed, self.target.config.vocab_size, self.target.model.device,
+                                             self.ngram))
+            actors[-1].relay_to = actors[-2]
+        elif slot is not None:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(HeadDraftExecutor(slot, self.draft_allocator, buffers, c.seed,
                                             embed=self.target.model.embed_tokens, tree=c.draft_tree,
@@ -345,7 +351,7 @@ class Engine:
             log.warning("SYNTHETIC ACCEPTANCE %.2f: drafts are accepted at random; outputs are NOT the target's",
                         self.config.synthetic_acceptance)
         self._open_trace()
-        if self.weights.slot is not None:
+        if self.draft is not None:                  # a drafter with weights to move
             from nightjar.transfer.weights import DraftTransfer
 
             self.weights.transfer = DraftTransfer(asyncio.get_running_loop(), failed=self.weights.copy_failed,
@@ -377,8 +383,19 @@ class Engine:
         m, tc = self.memory, self.target.config
         return ControlSpec(config=self.config, vocab_size=tc.vocab_size, num_blocks=m.num_blocks,
                            eos_token_ids=tuple(tc.eos_token_ids), max_position=tc.max_position,
-                           draft=str(self.draft.source) if self.draft else None, draft_bytes=m.draft_footprint,
+                           draft=self._draft_identity(), draft_bytes=m.draft_footprint,
                            draft_blocks=m.draft_footprint // m.block_bytes, planner_profile=self._planner_profile)
+
+    def _draft_identity(self) -> str | None:
+        """The drafter as the control plane and traces name it: a model's source, ``ngram:MIN-MAX``, or None."""
+        if self.ngram is not None:
+            return f"ngram:{self.ngram[0]}-{self.ngram[1]}"
+        return str(self.draft.source) if self.draft else None
+
+    @property
+    def ngram(self) -> tuple[int, int] | None:
+        """(min_n, max_n) when the engine drafts with the n-gram drafter (actors/draft_ngram.py), else None."""
+        return None if self.config.policy == "off" else parse_ngram(self.config.draft)
 
     def trace_header(self) -> dict:
         """What a trace needs to re-drive the control plane (the ControlSpec) plus model identities."""

@@ -52,6 +52,9 @@ def test_generate_runs_its_forwards_inline_and_serve_on_a_compute_thread_unless_
     (["serve", "--draft-tree", "9"], "--draft-tree"),
     (["serve", "--draft-tree-batch", "0"], "--draft-tree-batch"),
     (["generate", "hi", "--draft", "independent", "--draft-tree", "2"], "--draft-tree"),
+    (["generate", "hi", "--draft", "ngram:4-2"], "--draft"),
+    (["generate", "hi", "--draft", "ngram", "--draft-tree", "2"], "--draft-tree"),
+    (["generate", "hi", "--draft", "ngram", "--draft-quantization", "int8"], "--draft-quantization"),
 ])
 def test_bad_engine_flags_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     assert main(argv) == 2

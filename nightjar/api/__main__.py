@@ -12,7 +12,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m nightjar.api", description="Serve a Nightjar engine over HTTP")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default="default",
-                   help="draft: 'default' (the shipped head), 'independent', a path, or 'none'")
+                   help="draft: 'default' (the shipped head), 'independent', a path, 'ngram[:MIN-MAX]' "
+                        "(prompt lookup), or 'none'")
     p.add_argument("--policy", default="nightjar", help="off, fixed[:γ], table:..., nightjar, ...")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")

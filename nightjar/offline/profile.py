@@ -269,12 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_pair(a: argparse.Namespace):
+    from nightjar.actors.draft_ngram import parse_ngram
     from nightjar.models.quant import draft_mode, load_quantized
 
     target = load_quantized(a.model, a.dtype, a.device, a.quantization)
     dq = draft_mode(a.quantization, a.draft_quantization)
-    draft = (load_quantized(a.draft, a.dtype, a.device, dq, draft_for=target.config)
-             if a.draft not in ("none", "") else None)
+    draft = (load_quantized(a.draft, a.dtype, a.device, dq, draft_for=target.config)      # the n-gram drafter:
+             if a.draft not in ("none", "") and parse_ngram(a.draft) is None else None)    # no draft passes to time
     return target, draft
 
 

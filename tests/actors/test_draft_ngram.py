@@ -1,0 +1,150 @@
+"""The n-gram drafter (actors/draft_ngram.py): what it proposes, and that speculating with it is lossless
+(greedy and seeded tokens equal ``off``'s; unseeded samples follow the target's distribution)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from nightjar.actors.draft_ngram import NgramIndex, parse_ngram
+from nightjar.engine import Engine
+from nightjar.sampling import ConfigError, SamplingParams
+from tests.test_engine import assert_pool_clean, exact_first3, pool_settled, small_pair
+from tests.test_seeded_sampling import seeded_params
+
+
+def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_latest_occurrence():
+    idx = NgramIndex(1, 3)
+    toks = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
+    # suffix (2, 3) ended at 2 and 6; (5, 2, 3) never occurred before; the latest (2, 3) was followed by 8, 5, ...
+    assert idx.propose(toks, 4) == [8, 5, 2, 3]
+    assert idx.propose(toks, 2) == [8, 5]
+    toks += [8]                                            # (2, 3, 8) occurred at 5..7: what followed it
+    assert idx.propose(toks, 3) == [5, 2, 3]
+
+
+def test_no_match_proposes_nothing_and_a_match_at_the_end_proposes_what_there_is():
+    assert NgramIndex(2, 4).propose([1, 2, 3, 4, 5], 3) == []           # no bigram repeats
+    assert NgramIndex(1, 1).propose([7], 3) == []                        # nothing before the suffix
+    assert NgramIndex(2, 2).propose([4, 4, 4], 5) == [4]                 # (4, 4) ended at 1: only one token after
+
+
+def test_an_index_grown_step_by_step_proposes_what_a_fresh_one_does():
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, 6, (300,), generator=g).tolist()
+    grown = NgramIndex(2, 4)
+    for n in range(1, len(toks) + 1):
+        want = NgramIndex(2, 4).propose(toks[:n], 5)
+        assert grown.propose(toks[:n], 5) == want, n
+
+
+def test_the_spec_parses_and_a_bad_one_says_what_is_allowed():
+    assert parse_ngram("ngram") == (2, 4)
+    assert parse_ngram("ngram:3") == (3, 3)
+    assert parse_ngram("ngram:1-5") == (1, 5)
+    for other in (None, "default", "none", "ngrams", "/models/ngram-draft"):
+        assert parse_ngram(other) is None
+    for bad in ("ngram:", "ngram:0", "ngram:4-2", "ngram:a-b", "ngram:1-99"):
+        with pytest.raises(ValueError, match="MIN-MAX"):
+            parse_ngram(bad)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(draft="ngram:5-2"), "draft"),
+                                       (dict(draft="ngram", draft_quantization="int8"), "draft_quantization"),
+                                       (dict(draft="ngram", draft_tree=2), "draft_tree")])
+def test_options_the_ngram_drafter_cannot_take_fail_at_start(kw, field):
+    async def main():
+        async with Engine(policy="fixed:2", loaded=(small_pair(12)[0], None), dtype="float32", **kw):
+            pass
+    with pytest.raises(ConfigError) as e:
+        asyncio.run(main())
+    assert e.value.field == field
+
+
+def loopy_prompts(n: int = 12, vocab: int = 12) -> list[list[int]]:
+    """Prompts of mixed length over a 12-token vocabulary: a random model over so few tokens repeats itself, so
+    the drafter finds matches (and misses) from the first steps on."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist()
+            for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+def run_engine(policy: str, prompts, params_of, **kw):
+    """Every prompt through one engine on the small 12-token target: (tokens per prompt, stats); the pool ends
+    clean."""
+    async def main():
+        async with Engine(policy=policy, loaded=(small_pair(12)[0], None), dtype="float32", **kw) as eng:
+            async def one(i, ids):
+                await asyncio.sleep(0.003 * i)
+                return [t for o in [x async for x in eng.generate(ids, params_of(i))] for t in o.token_ids]
+            out = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+            return out, eng.stats
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["fixed:1", "fixed:4", "nightjar", "nightjar:per-request"])
+def test_greedy_tokens_with_the_ngram_drafter_are_offs(policy):
+    prompts = loopy_prompts()
+    params = lambda i: SamplingParams(max_tokens=40, ignore_eos=True)  # noqa: E731
+    ref, _ = run_engine("off", prompts, params, max_num_seqs=1)
+    for bs in (1, 7):
+        got, stats = run_engine(policy, prompts, params, draft="ngram:1-3", max_num_seqs=bs)
+        assert got == ref, (policy, bs)
+        assert 0 < stats.accepted_tokens < stats.draft_tokens, (policy, bs)
+
+
+def test_seeded_tokens_with_the_ngram_drafter_are_offs():
+    prompts = loopy_prompts(8)
+    ref, _ = run_engine("off", prompts, seeded_params, max_num_seqs=1)
+    assert len({tuple(r) for r in ref}) == len(ref)
+    got, stats = run_engine("fixed:3", prompts, seeded_params, draft="ngram:1-3", max_num_seqs=8)
+    assert got == ref
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_unseeded_samples_with_the_ngram_drafter_follow_the_targets_distribution():
+    """Rejection sampling against the proposal's one-hot q: the first three tokens' marginals are the target's
+    (chi-square and total variation, as for a draft model in tests/test_engine.py)."""
+    vocab, n, temp = 12, 1500, 1.0
+    target = small_pair(vocab)[0]
+    prompt = [3, 7, 1, 3, 7, 1, 3]                 # repeats: the drafter proposes from the first step on
+    exact = exact_first3(target.model, prompt, temp, vocab)
+
+    async def sample():
+        async with Engine(policy="fixed:3", draft="ngram:1-3", loaded=(target, None), dtype="float32",
+                          max_num_seqs=64, max_queue=10**6) as eng:
+            async def one():
+                toks = []
+                async for o in eng.generate(prompt, SamplingParams(max_tokens=3, temperature=temp)):
+                    toks += o.token_ids
+                return toks
+            res = await asyncio.gather(*[one() for _ in range(n)])
+            return torch.tensor(res), eng.stats
+    got, stats = asyncio.run(sample())
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    for pos in range(3):
+        counts = torch.bincount(got[:, pos], minlength=vocab).float()
+        expected = exact[pos] * n
+        keep = expected >= 5
+        chi2 = (((counts - expected) ** 2)[keep] / expected[keep]).sum().item()
+        dof = int(keep.sum()) - 1
+        assert chi2 < dof + 4.5 * (2 * dof) ** 0.5, (pos, chi2, dof)
+        assert 0.5 * (counts / n - exact[pos]).abs().sum().item() < 0.06, pos
+
+
+@pytest.mark.parametrize("policy", ["fixed:2", "nightjar"])
+def test_a_recorded_ngram_run_replays_with_zero_divergence_and_full_replay_gives_its_tokens(make_engine, tiny_pair,
+                                                                                           tmp_path, policy):
+    from nightjar.offline.replay import full_replay, replay_file
+    from tests.offline.test_replay import record_run
+
+    path = tmp_path / "run.njtrace"
+    record_run(make_engine, path, policy, pair=(tiny_pair[0], None), draft="ngram:1-3")
+    res = replay_file(str(path))
+    assert res.ok, res.summary()
+    assert res.checked["batcher"] > 10 and res.checked["planner"] > 5
+    full = full_replay(str(path), loaded=(tiny_pair[0], None))
+    assert full.ok and full.exact >= 2, full.details
