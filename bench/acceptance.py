@@ -6,8 +6,9 @@
     python bench/acceptance.py --quantization int4 --draft default@none,default@int4 --skip-speed   # quantized
     python bench/acceptance.py --gamma 3 --draft-tree 1,3      # a head's draft tree beside its chain
 
-A draft is an independent model (``default``: the shipped small Llama draft, or any checkpoint) or a
-draft head directory (models/eagle.py). For each draft, on the same prompts (``heldout``: the held-out
+A draft is an independent model (``independent``: the shipped small Llama draft, or any checkpoint), a
+draft head directory (models/eagle.py; ``default``: the shipped head) or the n-gram drafter (``ngram[:MIN-MAX]``,
+actors/draft_ngram.py). For each draft, on the same prompts (``heldout``: the held-out
 split of nightjar/data/prompts.jsonl, never trained on):
 - acceptance at fixed γ: per draft position (conditional on reaching it) and mean accepted tokens per
   step incl. the bonus token;
@@ -30,6 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
+from nightjar.actors.draft_ngram import parse_ngram
 from nightjar.config_check import MAX_TREE
 from nightjar.engine import Engine
 from nightjar.kernel.messages import StepDrafted, StepTimed
@@ -39,13 +41,15 @@ from nightjar.models.quant import draft_mode, load_quantized
 from nightjar.sampling import SamplingParams
 
 
-def read_prompts(spec: str, limit: int | None) -> list[str]:
+def read_prompts(spec: str, limit: int | None, categories: str = "") -> list[str]:
     if spec == "heldout":
         from nightjar.data import load_prompts
 
         rows = load_prompts(split="heldout")
     else:
         rows = [json.loads(line) for line in Path(spec).read_text().splitlines() if line.strip()]
+    if categories:
+        rows = [r for r in rows if r.get("category") in categories.split(",")]
     return [r["prompt"] for r in rows][:limit]
 
 
@@ -71,8 +75,8 @@ class StepLog:
 
 async def run_policy(pair, policy: str, gamma_max: int, prompts, max_tokens: int, dtype: str, tree: int = 0):
     """Single stream: prompts one after another. Returns (tokens/s, engine stats, step log, γ=0 cost)."""
-    async with Engine(policy=policy, loaded=pair, dtype=dtype, gamma_max=gamma_max, draft_tree=tree,
-                      draft_tree_batch=1) as eng:
+    async with Engine(policy=policy, dtype=dtype, gamma_max=gamma_max, draft_tree=tree, draft_tree_batch=1,
+                      **engine_args(pair)) as eng:
         await _one(eng, prompts[0], 8)                                   # warm-up
         eng.collector.stats.__init__()
         log = StepLog()
@@ -113,7 +117,7 @@ async def _one(eng, prompt: str, max_tokens: int, sp: SamplingParams | None = No
 async def sampled_acceptance(pair, gamma: int, prompts, max_tokens: int, dtype: str, temperature: float,
                              seeded: bool) -> dict:
     """Acceptance of sampled requests at fixed γ: seeded ones (Gumbel coupling) or unseeded (rejection)."""
-    async with Engine(policy=f"fixed:{gamma}", loaded=pair, dtype=dtype, gamma_max=gamma) as eng:
+    async with Engine(policy=f"fixed:{gamma}", dtype=dtype, gamma_max=gamma, **engine_args(pair)) as eng:
         for i, p in enumerate(prompts):
             sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if seeded else None)
             await _one(eng, p, max_tokens, sp)
@@ -150,7 +154,7 @@ def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
     policies = [f"fixed:{g}" for g in range(1, a.gamma + 1)] + ["nightjar"]
     for name, pair in pairs.items():
         runs += [(f"{name} {p}", pair, p, 0) for p in policies]
-        if is_head(pair[1].model):
+        if head(pair):
             runs.append((f"{name} fixed:0", pair, "fixed:0", 0))
             runs += [(f"{name} {p} tree{k}", pair, p, k) for k in trees_of(a) for p in policies]
     target = next(iter(pairs.values()))[0]
@@ -170,9 +174,22 @@ def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
     return med, {k: round(statistics.median(v), 4) for k, v in zero_cost.items()}
 
 
+def engine_args(pair) -> dict:
+    """The Engine's keywords for a (target, drafter) pair: a loaded draft model or head, or the n-gram drafter's
+    spec (a string: it has no weights)."""
+    target, draft = pair
+    return {"loaded": (target, None), "draft": draft} if isinstance(draft, str) else {"loaded": pair}
+
+
+def head(pair) -> bool:
+    return pair[1] is not None and not isinstance(pair[1], str) and is_head(pair[1].model)
+
+
 def load_draft_spec(spec: str, target, dtype: str, quantization: str):
     """NAME or NAME@MODE (weight-only quantization of the draft's layers, models/quant.py; without one, the
-    engine's default for a target of that ``quantization``)."""
+    engine's default for a target of that ``quantization``); ``ngram[:MIN-MAX]`` stays a spec (no weights)."""
+    if parse_ngram(spec) is not None:
+        return spec
     name, _, mode = spec.partition("@")
     return load_quantized(name, dtype, "cpu", draft_mode(quantization, mode or None), draft_for=target.config)
 
@@ -190,12 +207,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--draft", default="default", help="comma-separated drafts (models or head directories); "
+    ap.add_argument("--draft", default="default", help="comma-separated drafts (models, head directories or "
+                    "ngram[:MIN-MAX]); "
                     "NAME@MODE quantizes one (none, int8, int4, mixed; without: as the engine does), "
                     "e.g. default@none,default@int4")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="the target's")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    ap.add_argument("--categories", default="", help="only prompts of these categories (comma-separated)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the speed runs")
     ap.add_argument("--speed-prompts", type=int, default=12, help="prompts per single-stream speed run")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -208,7 +227,9 @@ def main(argv=None) -> dict:
             raise ValueError
     except ValueError:
         ap.error(f"argument --draft-tree: widths 1..{MAX_TREE}, comma-separated; got {a.draft_tree!r}")
-    prompts = read_prompts(a.prompts, a.limit)
+    prompts = read_prompts(a.prompts, a.limit, a.categories)
+    if not prompts:
+        ap.error(f"no prompts in {a.prompts!r}" + (f" of categories {a.categories!r}" if a.categories else ""))
     # loaded on a thread that exits: torch work on this (main) thread would leave an OpenMP team beside each
     # engine's compute thread and every forward would run ~2x slower (nightjar/kernel/threads.py)
     target = on_fresh_thread(load_quantized, a.model, a.dtype, "cpu", a.quantization)
@@ -217,7 +238,7 @@ def main(argv=None) -> dict:
     result = {"prompts": len(prompts), "gamma": a.gamma, "drafts": {}}
     for name, pair in pairs.items():
         r = acceptance(pair, a, prompts)
-        for k in trees_of(a) if is_head(pair[1].model) else []:
+        for k in trees_of(a) if head(pair) else []:
             r[f"tree{k}"] = tree_acceptance(pair, a, prompts, k)
         if a.temperature > 0:
             for kind, seeded in (("seeded_gumbel", True), ("unseeded_rejection", False)):
@@ -230,7 +251,7 @@ def main(argv=None) -> dict:
         result["tokens_per_s"] = med
         for name in pairs:
             result["drafts"][name].update(summarize(name, med, a.gamma))
-            for k in trees_of(a) if is_head(pairs[name][1].model) else []:
+            for k in trees_of(a) if head(pairs[name]) else []:
                 result["drafts"][name][f"tree{k}"].update(
                     {key + "_tree": v for key, v in summarize(name, med, a.gamma, f" tree{k}").items()})
             if name in zero:

@@ -27,7 +27,7 @@ from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import BlocksReserved, RequestAdmitted, StepDrafted, StepScheduled, TokensCommitted
 
 NAME = "ngram"
-DEFAULT_N = (2, 4)      # (min_n, max_n): vLLM's prompt_lookup_min / prompt_lookup_max
+DEFAULT_N = (1, 3)      # (min_n, max_n), as vLLM's prompt_lookup_min / prompt_lookup_max; measured: docs/drafts.md
 MAX_N = 16
 
 

@@ -40,7 +40,7 @@ def test_an_index_grown_step_by_step_proposes_what_a_fresh_one_does():
 
 
 def test_the_spec_parses_and_a_bad_one_says_what_is_allowed():
-    assert parse_ngram("ngram") == (2, 4)
+    assert parse_ngram("ngram") == (1, 3)
     assert parse_ngram("ngram:3") == (3, 3)
     assert parse_ngram("ngram:1-5") == (1, 5)
     for other in (None, "default", "none", "ngrams", "/models/ngram-draft"):
