@@ -14,7 +14,7 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     g.add_argument("--model", default=d.model, help="registered name, .gguf file or HF checkpoint dir")
     g.add_argument("--draft", default=d.draft, help='draft: "default" (the shipped draft head for SmolLM2-135M), '
                    '"independent" (the shipped small draft model), a Llama checkpoint or GGUF, a draft head '
-                   'directory (head_config.json), "ngram[:MIN-MAX]" (prompt lookup: no weights; n-grams of 2-4 '
+                   'directory (head_config.json), "ngram[:MIN-MAX]" (prompt lookup: no weights; n-grams of 1-3 '
                    'tokens by default), or "none"')
     g.add_argument("--policy", default=d.policy,
                    help="speculation policy: nightjar, nightjar-nooffload, nightjar-paper, off, fixed:K, "
