@@ -155,6 +155,22 @@ def test_an_embedded_engine_takes_auto_as_the_cli_does(fake_measure, tmp_path, m
     assert eng.planner.policy.profile.name == "roofline:a100:13b"
 
 
+def test_the_ngram_drafter_gets_an_auto_profile_of_the_target_alone(fake_measure, tiny_pair, smollm2_path):
+    from nightjar.engine import Engine
+    from nightjar.offline.profile import _load_pair, build_parser
+
+    async def start():
+        async with Engine(policy="nightjar", draft="ngram", loaded=(tiny_pair[0], None), dtype="float32",
+                          planner_profile="auto") as eng:
+            return eng
+    asyncio.run(start())
+    argv = fake_measure[0]
+    assert argv[argv.index("--draft") + 1] == "ngram"
+    a = build_parser().parse_args(["--model", str(smollm2_path), "--draft", "ngram", "--dtype", "float32"])
+    target, draft = _load_pair(a)                   # what that measurement loads: no draft passes to time
+    assert draft is None and target.config.vocab_size == 49152
+
+
 def test_a_failed_auto_measurement_is_a_config_error(tmp_path):
     from nightjar.profile_cache import measure
 
