@@ -163,7 +163,7 @@ def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
     for rep in range(a.repeats):
         k = rep % len(runs)
         for label, pair, policy, tree in runs[k:] + runs[:k]:            # rotate the order
-            tps, _, log, cost = asyncio.run(run_policy(pair or (target, None), policy, a.gamma,
+            tps, _, log, cost = asyncio.run(run_policy(pair or (target, None, {}), policy, a.gamma,
                                                        prompts[: a.speed_prompts], a.max_tokens, a.dtype, tree))
             speeds[label].append(tps)
             if policy == "fixed:0" and cost:
@@ -175,10 +175,14 @@ def speed_runs(pairs: dict, a, prompts) -> tuple[dict, dict]:
 
 
 def engine_args(pair) -> dict:
-    """The Engine's keywords for a (target, drafter) pair: a loaded draft model or head, or the n-gram drafter's
-    spec (a string: it has no weights)."""
-    target, draft = pair
-    return {"loaded": (target, None), "draft": draft} if isinstance(draft, str) else {"loaded": pair}
+    """The Engine's keywords for a (target, drafter, keywords) triple: a loaded draft model or head, or the n-gram
+    drafter's spec (a string: it has no weights), and the drafter's own engine keywords (``prompt_lookup``)."""
+    target, draft, kw = pair
+    return {"loaded": (target, None), "draft": draft, **kw} if isinstance(draft, str) else {"loaded": (target, draft),
+                                                                                           **kw}
+
+
+LOOKUP = ":lookup="      # a head's prompt lookup in a --draft spec: default:lookup=0 (off), default:lookup=2
 
 
 def head(pair) -> bool:
@@ -208,7 +212,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="default", help="comma-separated drafts (models, head directories or "
-                    "ngram[:MIN-MAX]); "
+                    "ngram[:MIN-MAX]); a head's NAME:lookup=N sets its prompt lookup (0: off; default: the engine's); "
                     "NAME@MODE quantizes one (none, int8, int4, mixed; without: as the engine does), "
                     "e.g. default@none,default@int4")
     ap.add_argument("--dtype", default="bfloat16")
@@ -233,7 +237,8 @@ def main(argv=None) -> dict:
     # loaded on a thread that exits: torch work on this (main) thread would leave an OpenMP team beside each
     # engine's compute thread and every forward would run ~2x slower (nightjar/kernel/threads.py)
     target = on_fresh_thread(load_quantized, a.model, a.dtype, "cpu", a.quantization)
-    pairs = {d: (target, on_fresh_thread(load_draft_spec, d, target, a.dtype, a.quantization))
+    pairs = {d: (target, on_fresh_thread(load_draft_spec, d.split(LOOKUP)[0], target, a.dtype, a.quantization),
+                 {"prompt_lookup": int(d.split(LOOKUP)[1])} if LOOKUP in d else {})
              for d in a.draft.split(",")}
     result = {"prompts": len(prompts), "gamma": a.gamma, "drafts": {}}
     for name, pair in pairs.items():

@@ -11,6 +11,7 @@ MAX_GAMMA = 16
 POSITIVE = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue",
             "persist_steps", "trace_max_bytes", "draft_tree_batch")
 MAX_TREE = 8
+MAX_LOOKUP = 3
 
 
 def check_config(cfg: EngineConfig, models: bool = True) -> None:
@@ -28,6 +29,8 @@ def _numbers(c: EngineConfig) -> None:
             raise ConfigError(name, f"must be > 0, got {getattr(c, name)}")
     if not 0 <= c.gamma_max <= MAX_GAMMA:
         raise ConfigError("gamma_max", f"must be in 0..{MAX_GAMMA}, got {c.gamma_max}")
+    if not 0 <= c.prompt_lookup <= MAX_LOOKUP:
+        raise ConfigError("prompt_lookup", f"must be in 0..{MAX_LOOKUP} (0: off), got {c.prompt_lookup}")
     if not 0 <= c.draft_tree <= MAX_TREE:
         raise ConfigError("draft_tree", f"must be in 0..{MAX_TREE}, got {c.draft_tree}")
     if not 0 <= c.low_free_frac < 1:

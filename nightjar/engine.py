@@ -286,7 +286,7 @@ class Engine:
             self.draft_allocator = BlockAllocator(self.memory.draft_num_blocks, c.block_size)
             actors.append(HeadDraftExecutor(slot, self.draft_allocator, buffers, c.seed,
                                             embed=self.target.model.embed_tokens, tree=c.draft_tree,
-                                            tree_batch=c.draft_tree_batch) if head else
+                                            tree_batch=c.draft_tree_batch, lookup=c.prompt_lookup) if head else
                           DraftExecutor(slot, self.draft_allocator, buffers, c.seed))
             actors[-1].relay_to = actors[-2]        # drafts go straight to the verifier (kernel/actor.py)
         return actors

@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     g.add_argument("--draft-tree", type=int, default=d.draft_tree, metavar="K",
                    help="a draft head's greedy rows also send their K runner-up first drafts, verified beside the "
                         "chain in the same step (0: off; docs/drafts.md)")
+    g.add_argument("--prompt-lookup", type=int, default=d.prompt_lookup, metavar="N",
+                   help="a draft head's rows whose last N to 3 tokens occurred earlier in the request draft what "
+                        "followed them (prompt lookup) instead of the head's chain (0: off; docs/drafts.md)")
     g.add_argument("--draft-tree-batch", type=int, default=d.draft_tree_batch,
                    help="the largest decode batch whose rows send runner-up drafts")
     g.add_argument("--trace", default=d.trace, help="record every bus envelope to this file")
@@ -67,7 +70,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     keys = ["model", "draft", "policy", "gamma_max", "dtype", "quantization", "draft_quantization", "device",
             "device_memory", "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
             "max_queue", "seed", "planner_profile", "enforce_eager", "inline_compute", "run_ahead", "draft_tree",
-            "draft_tree_batch"]
+            "draft_tree_batch", "prompt_lookup"]
     kw = {k: getattr(a, k) for k in keys}
     kw["draft"] = None if kw["draft"] in ("none", "") else kw["draft"]
     kw["planner_profile"] = _planner_profile(a, kw)

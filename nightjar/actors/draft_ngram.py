@@ -68,14 +68,19 @@ class NgramIndex:
         self.done = max(self.done, end)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix of
-        ``tokens`` (which only ever grows between calls); [] when no suffix of min_n or more tokens occurred."""
+        """``k`` tokens that followed the latest earlier occurrence of the longest matching suffix of ``tokens``
+        (which only ever grows between calls); [] when no suffix of min_n or more tokens occurred. A match that
+        ends d tokens before the end says the text repeats with period d: past the end the copy goes on from
+        its own first tokens (``a b a b`` proposes ``a b a b ...``, not one token)."""
         self._update(tokens)
         L = len(tokens)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             e = self.last.get(tuple(tokens[L - n:]))
             if e is not None:
-                return tokens[e + 1:e + 1 + k]
+                out = tokens[e + 1:e + 1 + k]
+                while len(out) < k:                 # index e + 1 + j >= L: the proposal's own token j - d
+                    out.append(out[len(out) - (L - 1 - e)])
+                return out
         return []
 
 

@@ -35,6 +35,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_tree: int = 0                    # greedy rows of a draft head also send this many runner-up first drafts
                                            # (siblings of d1), verified beside the chain (actors/verifier.py)
     draft_tree_batch: int = 2              # the largest decode batch whose rows send siblings
+    prompt_lookup: int = 2                 # a draft head's rows whose last N+ tokens (N..3) occurred earlier in the
+                                           # request draft what followed them instead (actors/draft_head.py; 0: off)
     planner_profile: str | None = None     # a `nightjar profile` JSON for the planner's step times, "auto" (this
                                            # machine's cached one, measured on first use) or None (the prior)
     trace: str | None = None               # record every bus envelope to this file

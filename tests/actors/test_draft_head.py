@@ -100,7 +100,8 @@ def test_an_oracle_head_fed_the_right_positions_is_always_accepted(make_engine, 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref, _ = generate_with(make_engine, "off", prompts, params, pair=pair)
     assert all(len(set(r[1:])) == 1 for r in ref)                          # the target repeats itself
-    got, stats, seen = run_tapped(make_engine, "fixed:3", prompts, params, pair, frontier_check, max_num_seqs=3)
+    got, stats, seen = run_tapped(make_engine, "fixed:3", prompts, params, pair, frontier_check, max_num_seqs=3,
+                                  prompt_lookup=0)                         # the head drafts every row
     assert got == ref and sum(seen) > 0
     firsts = [p[-1] != r[0] for p, r in zip(prompts, ref)]                 # x_{P-1} != x_P: d1 misses once
     assert stats.draft_tokens - stats.accepted_tokens <= 3 * sum(firsts)
@@ -120,7 +121,8 @@ def test_offload_reload_cycles_with_a_head_keep_greedy_tokens_and_restart_its_co
     params = SamplingParams(max_tokens=40, ignore_eos=True)
 
     async def cycled():
-        async with make_engine("fixed:3", pair=pair, num_blocks=64, block_size=8, max_num_seqs=3) as eng:
+        async with make_engine("fixed:3", pair=pair, num_blocks=64, block_size=8, max_num_seqs=3,
+                               prompt_lookup=0) as eng:
             before = eng.device_bytes()
             assert before["draft_kv"] == eng.memory.draft_kv_bytes > 0          # KV + features, budgeted
             job = asyncio.ensure_future(run_all(eng, prompts, params, stagger=0.002))
@@ -191,5 +193,5 @@ def test_seeded_tokens_with_a_head_equal_off_and_unseeded_sampling_runs(make_eng
     assert all(len(o) == 12 for o in out) and stats.draft_tokens > 0
     pair = repeat_pair(smol_tokenizer)                      # a head whose seeded drafts are accepted
     ref, _ = generate(make_engine, "off", prompts, pair, max_num_seqs=1)
-    got, stats = generate(make_engine, "fixed:3", prompts, pair, max_num_seqs=6)
+    got, stats = generate(make_engine, "fixed:3", prompts, pair, max_num_seqs=6, prompt_lookup=0)
     assert got == ref and stats.accepted_tokens > 0

@@ -9,8 +9,9 @@ import torch
 
 from nightjar.actors.draft_ngram import NgramIndex, parse_ngram
 from nightjar.engine import Engine
+from nightjar.models import LoadedModel
 from nightjar.sampling import ConfigError, SamplingParams
-from tests.test_engine import assert_pool_clean, exact_first3, pool_settled, small_pair
+from tests.test_engine import assert_pool_clean, exact_first3, pool_settled, prompts_of_mixed_length, small_pair
 from tests.test_seeded_sampling import seeded_params
 
 
@@ -20,6 +21,7 @@ def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_late
     # suffix (2, 3) ended at 2 and 6; (5, 2, 3) never occurred before; the latest (2, 3) was followed by 8, 5, ...
     assert idx.propose(toks, 4) == [8, 5, 2, 3]
     assert idx.propose(toks, 2) == [8, 5]
+    assert idx.propose(toks, 6) == [8, 5, 2, 3, 8, 5]      # past the end: the text repeats with period 4
     toks += [8]                                            # (2, 3, 8) occurred at 5..7: what followed it
     assert idx.propose(toks, 3) == [5, 2, 3]
 
@@ -27,7 +29,8 @@ def test_the_longest_suffix_that_occurred_before_proposes_what_followed_its_late
 def test_no_match_proposes_nothing_and_a_match_at_the_end_proposes_what_there_is():
     assert NgramIndex(2, 4).propose([1, 2, 3, 4, 5], 3) == []           # no bigram repeats
     assert NgramIndex(1, 1).propose([7], 3) == []                        # nothing before the suffix
-    assert NgramIndex(2, 2).propose([4, 4, 4], 5) == [4]                 # (4, 4) ended at 1: only one token after
+    assert NgramIndex(2, 2).propose([4, 4, 4], 5) == [4, 4, 4, 4, 4]     # (4, 4) ended at 1: period 1
+    assert NgramIndex(1, 3).propose([7, 1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]     # period 3
 
 
 def test_an_index_grown_step_by_step_proposes_what_a_fresh_one_does():
@@ -105,17 +108,66 @@ def test_seeded_tokens_with_the_ngram_drafter_are_offs():
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
-def test_unseeded_samples_with_the_ngram_drafter_follow_the_targets_distribution():
-    """Rejection sampling against the proposal's one-hot q: the first three tokens' marginals are the target's
-    (chi-square and total variation, as for a draft model in tests/test_engine.py)."""
+@pytest.mark.parametrize("policy", ["fixed:2", "nightjar"])
+def test_a_recorded_ngram_run_replays_with_zero_divergence_and_full_replay_gives_its_tokens(make_engine, tiny_pair,
+                                                                                           tmp_path, policy):
+    from nightjar.offline.replay import full_replay, replay_file
+    from tests.offline.test_replay import record_run
+
+    path = tmp_path / "run.njtrace"
+    record_run(make_engine, path, policy, pair=(tiny_pair[0], None), draft="ngram:1-3")
+    res = replay_file(str(path))
+    assert res.ok, res.summary()
+    assert res.checked["batcher"] > 10 and res.checked["planner"] > 5
+    full = full_replay(str(path), loaded=(tiny_pair[0], None))
+    assert full.ok and full.exact >= 2, full.details
+
+
+def test_a_head_with_prompt_lookup_stays_exact_and_looks_up_the_rows_that_repeat(make_engine, smol_tokenizer):
+    """The head executor's prompt lookup (actors/draft_head.py): on a target that repeats itself, with a random
+    head (its own drafts rarely right), rows draft by lookup and are accepted; greedy and seeded tokens are
+    `off`'s, alone and batched."""
+    from nightjar.actors.draft_head import HeadDraftExecutor
+    from tests.actors.test_draft_head import random_head, repeat_pair
+    from tests.test_engine import run_all
+    from tests.test_seeded_sampling import run_seeded
+
+    target = repeat_pair(smol_tokenizer)[0]
+    pair = (target, LoadedModel(random_head(target.config), None, "random-head"))
+    prompts = prompts_of_mixed_length(smol_tokenizer, 6)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    async def main(policy, seeded, bs, **kw):
+        async with make_engine(policy, pair=pair, max_num_seqs=bs, **kw) as eng:
+            out = await (run_seeded(eng, prompts) if seeded else run_all(eng, prompts, params))
+            ex = next((a for a in eng.actors if isinstance(a, HeadDraftExecutor)), None)
+            return out, eng.stats, ex.looked_up if ex else 0
+    for seeded in (False, True):
+        ref, _, _ = asyncio.run(main("off", seeded, 1))
+        for policy, bs in (("fixed:3", 1), ("fixed:3", 6), ("nightjar", 6)):
+            got, stats, looked = asyncio.run(main(policy, seeded, bs))
+            assert got == ref, (policy, bs, seeded)
+            assert looked > 0 and stats.accepted_tokens > 0, (policy, bs, seeded)
+            if not seeded:
+                assert stats.accepted_tokens >= 0.5 * stats.draft_tokens     # the lookups are right
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "head+lookup"])
+def test_unseeded_samples_with_prompt_lookup_follow_the_targets_distribution(drafter):
+    """Rejection sampling against the proposal's one-hot q, from the n-gram drafter and from a head's prompt
+    lookup: the first three tokens' marginals are the target's (chi-square and total variation, as for a draft
+    model in tests/test_engine.py)."""
+    from tests.actors.test_draft_head import random_head
+
     vocab, n, temp = 12, 1500, 1.0
     target = small_pair(vocab)[0]
-    prompt = [3, 7, 1, 3, 7, 1, 3]                 # repeats: the drafter proposes from the first step on
+    prompt = [3, 7, 1, 3, 7, 1, 3]                 # repeats: lookups from the first step on
     exact = exact_first3(target.model, prompt, temp, vocab)
+    kw = (dict(draft="ngram:1-3", loaded=(target, None)) if drafter == "ngram" else
+          dict(loaded=(target, LoadedModel(random_head(target.config, vocab=vocab), None, "h")), prompt_lookup=1))
 
     async def sample():
-        async with Engine(policy="fixed:3", draft="ngram:1-3", loaded=(target, None), dtype="float32",
-                          max_num_seqs=64, max_queue=10**6) as eng:
+        async with Engine(policy="fixed:3", dtype="float32", max_num_seqs=64, max_queue=10**6, **kw) as eng:
             async def one():
                 toks = []
                 async for o in eng.generate(prompt, SamplingParams(max_tokens=3, temperature=temp)):
@@ -133,18 +185,3 @@ def test_unseeded_samples_with_the_ngram_drafter_follow_the_targets_distribution
         dof = int(keep.sum()) - 1
         assert chi2 < dof + 4.5 * (2 * dof) ** 0.5, (pos, chi2, dof)
         assert 0.5 * (counts / n - exact[pos]).abs().sum().item() < 0.06, pos
-
-
-@pytest.mark.parametrize("policy", ["fixed:2", "nightjar"])
-def test_a_recorded_ngram_run_replays_with_zero_divergence_and_full_replay_gives_its_tokens(make_engine, tiny_pair,
-                                                                                           tmp_path, policy):
-    from nightjar.offline.replay import full_replay, replay_file
-    from tests.offline.test_replay import record_run
-
-    path = tmp_path / "run.njtrace"
-    record_run(make_engine, path, policy, pair=(tiny_pair[0], None), draft="ngram:1-3")
-    res = replay_file(str(path))
-    assert res.ok, res.summary()
-    assert res.checked["batcher"] > 10 and res.checked["planner"] > 5
-    full = full_replay(str(path), loaded=(tiny_pair[0], None))
-    assert full.ok and full.exact >= 2, full.details

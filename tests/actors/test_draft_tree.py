@@ -48,7 +48,7 @@ def test_the_sibling_after_a_decoy_is_taken_and_the_head_stays_aligned(make_engi
     ref, _ = generate_with(make_engine, "off", prompts, params, pair=pair0)
     used = {t for p, r in zip(prompts, ref) for t in p + r}
     pair = decoy_pair(smol_tokenizer, next(t for t in range(3, 1000) if t not in used))
-    kw = dict(pair=pair, max_num_seqs=3, draft_tree_batch=3)
+    kw = dict(pair=pair, max_num_seqs=3, draft_tree_batch=3, prompt_lookup=0)     # the head drafts every row
     got, stats = generate_with(make_engine, "fixed:2", prompts, params, draft_tree=2, **kw)
     assert got == ref
     assert stats.accepted_tokens == 0 and stats.num_drafts > 0                  # the chain never holds
@@ -85,7 +85,7 @@ def test_a_taken_sibling_s_kv_lands_in_the_row_s_own_slot(make_engine, head_pair
     puts n at a block's first slot and n+1 in the next block often). A wrong copy would change later tokens."""
     prompts = prompts_of_mixed_length(smol_tokenizer, 6)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    kw = dict(pair=head_pair, max_num_seqs=3, block_size=block_size, num_blocks=256)
+    kw = dict(pair=head_pair, max_num_seqs=3, block_size=block_size, num_blocks=256, prompt_lookup=0)
     ref, _ = generate_with(make_engine, "off", prompts, params, **kw)
     scripted(monkeypatch, {tuple(p): r for p, r in zip(prompts, ref)}, head_pair[0].config.vocab_size)
     got, stats = generate_with(make_engine, policy, prompts, params, draft_tree=2, draft_tree_batch=3, **kw)
