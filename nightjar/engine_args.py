@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                         "chain in the same step (0: off; docs/drafts.md)")
     g.add_argument("--prompt-lookup", type=int, default=d.prompt_lookup, metavar="N",
                    help="a draft head's rows whose last N to 3 tokens occurred earlier in the request draft what "
-                        "followed them (prompt lookup) instead of the head's chain (0: off; docs/drafts.md)")
+                        "followed them (prompt lookup) instead of the head's chain (0: off; other drafters draft "
+                        "as they do; docs/drafts.md)")
     g.add_argument("--draft-tree-batch", type=int, default=d.draft_tree_batch,
                    help="the largest decode batch whose rows send runner-up drafts")
     g.add_argument("--trace", default=d.trace, help="record every bus envelope to this file")

@@ -21,7 +21,7 @@ beside the chain, in the scratch blocks the KV pool names (BlocksReserved.scratc
 Prompt lookup (``lookup`` = N > 0): a drafting row whose context's last N to 3 tokens occurred earlier in the
 request drafts what followed their latest occurrence (actors/draft_ngram.py) instead of the head's chain, and
 the head does not run for it that step (its entries wait for the next pass 1 that drafts the row, whose catch-up
-covers them). Teacher forced on the held-out split this raised tokens per γ = 4 round from 1.74 to 2.01
+covers them). Teacher forced on the held-out split this raised tokens per γ = 4 round from 1.73 to 2.01
 (docs/drafts.md).
 
 A gap in a request's features (the head was offloaded, or the request was preempted and re-prefilled)
