@@ -53,6 +53,7 @@ def test_generate_runs_its_forwards_inline_and_serve_on_a_compute_thread_unless_
     (["serve", "--draft-tree-batch", "0"], "--draft-tree-batch"),
     (["generate", "hi", "--draft", "independent", "--draft-tree", "2"], "--draft-tree"),
     (["generate", "hi", "--draft", "ngram:4-2"], "--draft"),
+    (["generate", "hi", "--prompt-lookup", "9"], "--prompt-lookup"),
     (["generate", "hi", "--draft", "ngram", "--draft-tree", "2"], "--draft-tree"),
     (["generate", "hi", "--draft", "ngram", "--draft-quantization", "int8"], "--draft-quantization"),
 ])
