@@ -178,8 +178,9 @@ def engine_args(pair) -> dict:
     """The Engine's keywords for a (target, drafter, keywords) triple: a loaded draft model or head, or the n-gram
     drafter's spec (a string: it has no weights), and the drafter's own engine keywords (``prompt_lookup``)."""
     target, draft, kw = pair
-    return {"loaded": (target, None), "draft": draft, **kw} if isinstance(draft, str) else {"loaded": (target, draft),
-                                                                                           **kw}
+    if isinstance(draft, str):
+        return {"loaded": (target, None), "draft": draft, **kw}
+    return {"loaded": (target, draft), **kw}
 
 
 LOOKUP = ":lookup="      # a head's prompt lookup in a --draft spec: default:lookup=0 (off), default:lookup=2

@@ -38,7 +38,7 @@ import torch
 
 from nightjar.actors.common import sampling_tensors
 from nightjar.actors.draft import DraftExecutor
-from nightjar.actors.draft_ngram import NgramIndex
+from nightjar.actors.draft_ngram import PromptLookup, one_hot_q
 from nightjar.actors.gamma_allocator import row_gammas
 from nightjar.kernel.messages import (
     BlocksReserved,
@@ -68,9 +68,7 @@ class HeadDraftExecutor(DraftExecutor):
     def __init__(self, slot, allocator, buffers, seed: int, embed: torch.nn.Module, tree: int = 0,
                  tree_batch: int = 2, lookup: int = 0):
         super().__init__(slot, allocator, buffers, seed)
-        self.lookup = lookup              # prompt lookup's shortest n-gram (module docstring; 0: off)
-        self.index: dict[int, NgramIndex] = {}
-        self.looked_up = 0                        # drafting rows that drafted by prompt lookup
+        self.lookup = PromptLookup(lookup, max(lookup, 3)) if lookup else None    # module docstring; 0: off
         self.embed = embed                # the target's token embedding (shared, never moved)
         self.ctx: dict[int, HeadContext] = {}
         self.tree, self.tree_batch = tree, tree_batch
@@ -99,7 +97,8 @@ class HeadDraftExecutor(DraftExecutor):
         super()._forget(req_ids)
         for rid in req_ids:
             self.ctx.pop(rid, None)
-            self.index.pop(rid, None)
+            if self.lookup is not None:
+                self.lookup.forget(rid)
 
     # ---- features of committed positions ------------------------------------------------------
     def _store(self, v: StepVerified) -> None:
@@ -172,16 +171,9 @@ class HeadDraftExecutor(DraftExecutor):
 
     def _look_up(self, rows) -> list[list[int]]:
         """Prompt lookup's drafts per drafting row ([] where the head drafts: no match, or lookup off)."""
-        if not self.lookup:
+        if self.lookup is None:
             return [[] for _ in rows]
-        out = []
-        for _, rid, _, g in rows:
-            idx = self.index.get(rid)
-            if idx is None:
-                idx = self.index[rid] = NgramIndex(self.lookup, max(self.lookup, 3))
-            out.append(idx.propose(self.mirrors[rid].tokens, g))
-        self.looked_up += sum(1 for lk in out if lk)
-        return out
+        return [self.lookup.propose(rid, self.mirrors[rid].tokens, g) for _, rid, _, g in rows]
 
     def _merge_looked(self, rows, looked, head_tokens, head_sibs, probs):
         """Per-row tokens and siblings in ``rows`` order: the looked-up rows' drafts (their q, for random sampling
@@ -197,8 +189,7 @@ class HeadDraftExecutor(DraftExecutor):
             sibs.append([])
             m = self.mirrors[rid]
             if not (m.greedy or m.seeded):
-                probs[rid] = torch.nn.functional.one_hot(torch.tensor(lk, device=self.slot.device),
-                                                         self.slot.model.hc.target_vocab).float()    # [len, V]
+                probs[rid] = one_hot_q(lk, self.slot.model.hc.target_vocab, self.slot.device)      # [len, V]
         return tokens, sibs
 
     def _tree_rows(self, rids: list[int]) -> int:

@@ -84,6 +84,32 @@ class NgramIndex:
         return []
 
 
+class PromptLookup:
+    """An NgramIndex per request (built on first use, dropped by ``forget``), and how many proposals found a match:
+    what both the n-gram drafter and a draft head's prompt lookup (actors/draft_head.py) draft from."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.index: dict[int, NgramIndex] = {}
+        self.matched = 0
+
+    def propose(self, rid: int, tokens: list[int], k: int) -> list[int]:
+        idx = self.index.get(rid)
+        if idx is None:
+            idx = self.index[rid] = NgramIndex(self.min_n, self.max_n)
+        out = idx.propose(tokens, k)
+        self.matched += bool(out)
+        return out
+
+    def forget(self, rid: int) -> None:
+        self.index.pop(rid, None)
+
+
+def one_hot_q(tokens: list[int], vocab_size: int, device) -> torch.Tensor:
+    """The draft distribution of a proposal that is certain: one-hot rows [len(tokens), V] for rejection sampling."""
+    return torch.nn.functional.one_hot(torch.tensor(tokens, device=device), vocab_size).float()
+
+
 class NgramDraftExecutor(Actor):
     """Drafts by prompt lookup (module docstring) for the rows the step's BlocksReserved lets draft."""
 
@@ -95,17 +121,15 @@ class NgramDraftExecutor(Actor):
                  n: tuple[int, int] = DEFAULT_N) -> None:
         super().__init__()
         self.buffers, self.vocab_size, self.device = buffers, vocab_size, device
-        self.min_n, self.max_n = n
         self.mirrors = RequestMirrors(seed, "draft", device)
-        self.index: dict[int, NgramIndex] = {}
+        self.lookup = PromptLookup(*n)
         self.sched: StepScheduled | None = None
-        self.proposed = self.matched = 0          # drafting rows, and those that found a match
 
     def handle(self, msg, now):
         done = self.mirrors.observe(msg)
         if done is not None:
             for rid in done:
-                self.index.pop(rid, None)
+                self.lookup.forget(rid)
             return None
         match msg:
             case StepScheduled():
@@ -125,16 +149,10 @@ class NgramDraftExecutor(Actor):
                 continue
             rid = s.req_ids[row]
             m = self.mirrors[rid]
-            idx = self.index.get(rid)
-            if idx is None:
-                idx = self.index[rid] = NgramIndex(self.min_n, self.max_n)
-            toks = idx.propose(m.tokens, g)
-            self.proposed += 1
-            self.matched += bool(toks)
+            toks = self.lookup.propose(rid, m.tokens, g)
             flat[row * gamma:row * gamma + len(toks)] = toks
-            if toks and not (m.greedy or m.seeded):       # q: the proposal's one-hot distribution [len, V]
-                probs[rid] = torch.nn.functional.one_hot(torch.tensor(toks, device=self.device),
-                                                         self.vocab_size).float()
+            if toks and not (m.greedy or m.seeded):
+                probs[rid] = one_hot_q(toks, self.vocab_size, self.device)                 # [len, V]
         self.buffers.put(s.step, probs)
         return StepDrafted(step=s.step, gamma=gamma, draft_tokens=tuple(flat), handle=s.step,
                            draft_time_s=time.perf_counter() - t0, gammas=per_row)

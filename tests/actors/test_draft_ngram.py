@@ -141,7 +141,7 @@ def test_a_head_with_prompt_lookup_stays_exact_and_looks_up_the_rows_that_repeat
         async with make_engine(policy, pair=pair, max_num_seqs=bs, **kw) as eng:
             out = await (run_seeded(eng, prompts) if seeded else run_all(eng, prompts, params))
             ex = next((a for a in eng.actors if isinstance(a, HeadDraftExecutor)), None)
-            return out, eng.stats, ex.looked_up if ex else 0
+            return out, eng.stats, ex.lookup.matched if ex and ex.lookup else 0
     for seeded in (False, True):
         ref, _, _ = asyncio.run(main("off", seeded, 1))
         for policy, bs in (("fixed:3", 1), ("fixed:3", 6), ("nightjar", 6)):
