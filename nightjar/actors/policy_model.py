@@ -19,7 +19,10 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
   is known. Prefill tokens in a mixed step get their own learned per-token term and are subtracted (until
   that term has data such steps are left out). m(c, γ) is the per-(bucket, γ) correction: the discounted
   mean of the measured ratio T / (level · base) shrunk toward 1 by ``prior_weight`` pseudo-samples; its
-  standard error falls from ``model_sd`` to the per-step noise / √samples and regrows while the arm rests.
+  standard error falls from ``model_sd`` to the per-step noise / √samples. While an arm rests its samples fade
+  (``fade`` per step of its bucket): its mean returns to what its bucket's other arms measure, and its
+  error regrows faster (``stale_discount``), so a transient (contention during its steps) cannot price it
+  out for good. The measured draft scale fades back to the profile's price the same way while nothing drafts.
 * **Decision**: the played arm minimises the lower bound (T̂ · (1 − z·se) + extras) / (B · E⁺(γ)): an
   arm is tried only if its interval reaches below the best; no forced uniform exploration, no randomness.
   Hysteresis: the bucket's current arm is kept unless beaten by ``hysteresis`` (``hysteresis_onoff`` for
@@ -60,8 +63,8 @@ from nightjar.kernel.messages import StepTimed
 
 __all__ = ["AcceptanceModel", "ModelNightjarPolicy", "MODEL_OPTS", "load_profile"]
 
-MODEL_OPTS = ("profile", "z", "z_accept", "model_sd", "noise_floor", "arm_discount", "stale_discount", "level_rate",
-              "accept_window", "rho_prior", "cusum_k", "cusum_h", "cusum_keep", "hysteresis",
+MODEL_OPTS = ("profile", "z", "z_accept", "model_sd", "noise_floor", "arm_discount", "stale_discount", "fade",
+              "level_rate", "accept_window", "rho_prior", "cusum_k", "cusum_h", "cusum_keep", "hysteresis",
               "dwell0", "switch_cost", "prompt_charge", "kv_cost", "prior_weight", "hysteresis_onoff",
               "per_request", "harmonic")
 
@@ -152,8 +155,9 @@ class AcceptanceModel:
 
 class _Arm:
     """Discounted sums (per sample of the arm) of the ratio measured / (level · base) for one
-    (bucket, γ); ``t`` is the bucket's step count at the last sample: an arm left alone keeps its
-    mean but its confidence decays per step of the bucket, so it is re-tried if it could be best."""
+    (bucket, γ); ``t`` is the bucket's step count at the last sample: the samples of an arm left alone
+    fade per step of the bucket (``ModelNightjarPolicy._faded``), so its mean returns to its prior and
+    it is re-tried if it could be best."""
 
     __slots__ = ("n", "w", "s", "t")
 
@@ -213,21 +217,22 @@ class ModelNightjarPolicy(Policy):
     def __init__(self, gamma_max: int, seed: int = 0, *, profile: Any = None, z: float = 1.5,
                  z_accept: float = 0.5, model_sd: float | None = None, prior_weight: float | None = None,
                  noise_floor: float = 0.02, arm_discount: float = 0.97, stale_discount: float = 0.98,
-                 level_rate: float = 0.2, accept_window: float = 400.0, rho_prior: float = 0.5,
+                 fade: float = 0.995, level_rate: float = 0.2, accept_window: float = 400.0, rho_prior: float = 0.5,
                  cusum_k: float = 0.5, cusum_h: float = 8.0, cusum_keep: float = 0.2, hysteresis: float = 0.02,
                  hysteresis_onoff: float = 0.04, dwell0: float = 64.0, switch_cost: bool = True,
                  prompt_charge: bool = True, kv_cost: bool = True, per_request: bool = False,
                  harmonic: bool = False) -> None:
         super().__init__(gamma_max)
-        if not 0.0 < arm_discount <= 1.0 or not 0.0 < level_rate <= 1.0 or (model_sd or 1) <= 0 or z < 0:
-            raise ValueError("nightjar: arm_discount and level_rate in (0, 1], model_sd > 0, z >= 0")
+        if not (0.0 < arm_discount <= 1.0 and 0.0 < level_rate <= 1.0 and 0.0 < fade <= 1.0) or (model_sd or 1) <= 0 \
+                or z < 0:
+            raise ValueError("nightjar: arm_discount, level_rate and fade in (0, 1], model_sd > 0, z >= 0")
         self.seed = seed                    # deterministic: no randomness is drawn
         self.profile = load_profile(profile)
         self.model_sd, self.prior_weight = model_sd, prior_weight
         self.z, self.noise_floor = z, noise_floor
         self._set_model_var()
         self.arm_discount, self.level_rate, self.hyst = arm_discount, level_rate, hysteresis
-        self.hyst_onoff, self.stale_discount = hysteresis_onoff, stale_discount
+        self.hyst_onoff, self.stale_discount, self.fade = hysteresis_onoff, stale_discount, fade
         self.drift_var = 0.03 ** 2
         self.accept = AcceptanceModel(gamma_max, accept_window, rho_prior, z_accept, cusum_k, cusum_h, cusum_keep)
         self.level = 0.0                    # seconds per base unit; 0 until the first decode step
@@ -239,7 +244,8 @@ class ModelNightjarPolicy(Policy):
         self.dwell, self._run = float(dwell0), 0
         self.new_tok = self.new_req = 0.0   # EMA of prompt tokens / prompts entering decode per step
         self._base: list[tuple[list[float], float] | None] = []   # per B: target part per γ, one draft pass
-        self.draft_scale = 0.0              # measured draft seconds / the draft base priced; 0 = none yet
+        self.draft_w = self.draft_s = 0.0   # discounted sums of measured draft seconds / the draft base priced
+        self.draft_t = self.clock = 0       # decode steps observed: at the last drafting one, and in all
         self._arms: list[list[_Arm]] = []
         self._cur: list[int] = []
         self._steps: list[int] = []          # observed steps per bucket
@@ -301,9 +307,27 @@ class ModelNightjarPolicy(Policy):
         return [max(t + g * d, 1e-9) for g, t in enumerate(tgt)]
 
     def _draft_factor(self) -> float:
-        """What a draft base unit is worth in the level's units: measured seconds per priced unit / level."""
+        """What a draft base unit is worth in the level's units: measured seconds per priced unit / level.
+        The measurements fade while no step drafts (``_faded``); below one sample's weight the profile's
+        price (1) fills the rest, so a draft measured slow in a transient is tried again."""
         lvl = self._level()
-        return self.draft_scale / lvl if self.draft_scale > 0.0 and lvl > 0.0 else 1.0
+        w, s = self._faded(self.draft_w, self.draft_s, self.draft_t, self.clock)
+        if w <= 0.0 or lvl <= 0.0:
+            return 1.0
+        return s / (w * lvl) if w >= 1.0 else s / lvl + (1.0 - w)
+
+    @property
+    def draft_scale(self) -> float:
+        """Measured draft seconds per priced unit (0: none yet), faded as ``_draft_factor`` reads it."""
+        w, s = self._faded(self.draft_w, self.draft_s, self.draft_t, self.clock)
+        return s / w if w > 0.0 else 0.0
+
+    def _faded(self, w: float, s: float, t: int, now: int) -> tuple[float, float]:
+        """Discounted sums (weight, sum) last fed at ``t``, faded by ``fade`` per step since."""
+        if w and t != now:
+            f = self.fade ** (now - t)
+            return w * f, s * f
+        return w, s
 
     def _base_parts(self, b: int) -> tuple[list[float], float]:
         """(target part of base(B, γ) for γ = 0..gamma_max, one draft pass), cached per B."""
@@ -333,8 +357,8 @@ class ModelNightjarPolicy(Policy):
             priced = r.gamma * self._base_parts(r.batch_size)[1]
         if priced <= 0.0:
             return
-        x = r.draft_time_s / priced
-        self.draft_scale = x if self.draft_scale <= 0.0 else self.draft_scale + 0.1 * (x - self.draft_scale)
+        w, s = self._faded(self.draft_w, self.draft_s, self.draft_t, self.clock)
+        self.draft_w, self.draft_s, self.draft_t = 0.9 * w + 1.0, 0.9 * s + r.draft_time_s / priced, self.clock
 
     def _ctx(self, c: int) -> list[_Arm]:
         """The bucket's arms; sets ``_now`` to its step count (what arm decay is measured against)."""
@@ -374,35 +398,42 @@ class ModelNightjarPolicy(Policy):
         """(Σ w, Σ s) over a bucket's arms with a profile; None without one (``_prior_of``)."""
         if self.profile is None:
             return None
-        return sum(a.w for a in arms), sum(a.s for a in arms)
+        w = s = 0.0
+        for a in arms:
+            aw, as_ = self._faded(a.w, a.s, a.t, self._now)
+            w, s = w + aw, s + as_
+        return w, s
 
-    def _prior_of(self, arm: _Arm, pooled: tuple[float, float] | None) -> float:
+    def _prior_of(self, own: tuple[float, float], pooled: tuple[float, float] | None) -> float:
         """The correction an arm is shrunk toward. With a profile: the pooled correction of its bucket's
         *other* arms, shrunk toward 1 by ``prior_weight`` pseudo-samples. The profile's shape across γ
         within a bucket is trusted, its level per bucket is not (in a real run B = 1 steps came in at 0.7×
         what the level learned at B = 4 predicted): an arm not yet played starts from what its bucket's
         other arms measured, not from the global level. Without a profile the bucket level already holds
-        it (``_renormalise``)."""
+        it (``_renormalise``). ``own``: the arm's faded (weight, sum); ``pooled``: its bucket's."""
         if pooled is None:
             return 1.0
-        k, w, s = self.prior_w, pooled[0] - arm.w, pooled[1] - arm.s
+        k, w, s = self.prior_w, pooled[0] - own[0], pooled[1] - own[1]
         if w <= 1e-9:                   # a bucket with no data yet: what every bucket measured (the level and
-            w = sum(a.w for arms in self._arms for a in arms)       # the corrections are only known as a
-            s = sum(a.s for arms in self._arms for a in arms)       # product: the level alone was 9 % off)
+            w = s = 0.0                 # the corrections are only known as a product: the level alone was 9 % off)
+            for c, arms in enumerate(self._arms):
+                for a in arms:
+                    aw, as_ = self._faded(a.w, a.s, a.t, self._steps[c])
+                    w, s = w + aw, s + as_
         return (k + s) / (k + w)
 
     def _time(self, arm: _Arm, base: float) -> tuple[float, float]:
         """Correction = (k·m + Σ ratio) / (k + w): k = ``prior_weight`` pseudo-samples at the bucket's
         correction m (``_prior_of``), so a young arm's first samples cannot absorb a drift the level
         is still learning; its standard error falls from ``model_sd`` (no data) to the per-step noise / √w."""
-        k, now = self.prior_w, self._now
+        k = self.prior_w
         mk2, nv = self.model_var * k * k, max(self.noise2, self.noise_floor ** 2)
         lvl = self._level()
         lvl = lvl if lvl > 0.0 else (1.0 if self.profile is not None else 0.03)
-        w = arm.w
-        mean = (k * self._prior_of(arm, self._pooled(self._arms[self._c])) + arm.s) / (k + w)
-        if w and arm.t != now:                    # as in _times
-            w *= self.stale_discount ** (now - arm.t)
+        w, s = own = self._faded(arm.w, arm.s, arm.t, self._now)        # as in _times
+        mean = (k * self._prior_of(own, self._pooled(self._arms[self._c])) + s) / (k + w)
+        if w and arm.t != self._now:
+            w = arm.w * self.stale_discount ** (self._now - arm.t)
         return lvl * base * mean, math.sqrt(mk2 + nv * w) / (k + w)
 
     def _times(self, arms: list[_Arm], bases: list[float]) -> list[tuple[float, float]]:
@@ -414,10 +445,10 @@ class ModelNightjarPolicy(Policy):
         pooled = self._pooled(arms)
         out = []
         for arm, base in zip(arms, bases):
-            w = arm.w
-            mean = (k * self._prior_of(arm, pooled) + arm.s) / (k + w)
-            if w and arm.t != now:                # stale samples keep their mean but lose confidence
-                w *= sd ** (now - arm.t)
+            w, s = own = self._faded(arm.w, arm.s, arm.t, now)     # a resting arm's mean returns to its prior
+            mean = (k * self._prior_of(own, pooled) + s) / (k + w)
+            if w and arm.t != now:                # and it loses confidence faster
+                w = arm.w * sd ** (now - arm.t)
             out.append((lvl * base * mean, math.sqrt(mk2 + nv * w) / (k + w)))
         return out
 
@@ -607,6 +638,7 @@ class ModelNightjarPolicy(Policy):
         self.switch.observe(r)
         if r.batch_size <= 0 or not 0 <= r.gamma <= self.gamma_max:
             return
+        self.clock += 1
         if r.gamma > 0:
             self._run += 1
             if r.accepted_per_pos:
@@ -655,9 +687,10 @@ class ModelNightjarPolicy(Policy):
         c = bucket(b)
         self._steps[c] += 1
         d = self.arm_discount
+        w, s = self._faded(arm.w, arm.s, arm.t, self._steps[c] - 1)      # what it had faded to by this step
         arm.n, arm.t = arm.n + 1, self._steps[c]
-        arm.w = d * arm.w + 1.0
-        arm.s = d * arm.s + ratio
+        arm.w = d * w + 1.0
+        arm.s = d * s + ratio
         if self.profile is None:
             self._renormalise(self._arms[c])
 

@@ -85,7 +85,8 @@ def test_a_draft_dearer_than_its_profile_is_priced_apart_so_gamma_0_does_not_inh
     """In the engine a draft pass costs 1.3-2.3x the profile's bare draft forward. Here 2-3x: γ = 0 is the best
     arm (by 0.5-5 %) while the profile's prices make γ = 1 look 3-13 % cheaper per token. Measured apart
     (StepTimed.draft_time_s), the draft's cost does not reach γ = 0 through its bucket's pooled correction;
-    without it the planner never plays γ = 0 at B = 8 and 16 (regret ~4-5 %)."""
+    without it the planner never plays γ = 0 at B = 8 and 16 (regret ~4-5 %). Resting arms' samples fade (so a
+    transient cannot price an arm out for good: the next test), and the re-tries that buys cost B = 8 0.019 -> 0.025."""
     env, blind = PlannerEnv(CPU, WEAK, draft_scale=scale), _NoDraftTime(CPU, WEAK, draft_scale=scale)
     assert env.best(b, 4)[0] == 0 and PlannerEnv(CPU, WEAK).best(b, 4)[0] > 0
     with_, without = [], []
@@ -95,7 +96,23 @@ def test_a_draft_dearer_than_its_profile_is_priced_apart_so_gamma_0_does_not_inh
         assert pol.draft_scale == pytest.approx(scale, rel=0.1)
         without.append(run_planner(nightjar(CPU, seed), lambda t: blind, lambda t: b, 400, seed).regret())
     print(f"B={b} draft x{scale}: regret {max(with_):.3f} (without the draft's share {max(without):.3f})")
-    assert max(with_) <= 0.025 and sum(with_) < sum(without)
+    assert max(with_) <= 0.03 and sum(with_) < sum(without)
+
+
+@pytest.mark.parametrize("profile", [CPU, CPU_QUIET], ids=["cpu", "cpu-quiet"])
+@pytest.mark.parametrize("b", [1, 4])
+def test_a_transient_that_slowed_drafting_steps_does_not_hold_gamma_0_for_good(profile, b):
+    """100 steps in which a drafting step's target costs 3x and its draft passes 20x (contention: in a real
+    server, other processes starting left `nightjar` at γ = 0 for every later step, 5,000+ of them) and then
+    the box as before: the played arms and the measured draft scale carry the transient, γ = 0 becomes best by
+    far and is never left again unless what was measured fades. Before it did, the last 500 of 2,000 steps
+    cost 36-55 % over the oracle in every seed."""
+    norm = PlannerEnv(profile, (0.55, 0.45, 0.45, 0.45))
+    slow = PlannerEnv(profile, (0.55, 0.45, 0.45, 0.45), target_scale=3.0, draft_scale=20.0)
+    assert norm.best(b, 4)[0] > 0
+    for seed in range(6):
+        run = run_planner(nightjar(profile, seed), lambda t: slow if 300 <= t < 400 else norm, lambda t: b, 2000, seed)
+        assert run.regret(1500, 2000) <= 0.03, seed
 
 
 @pytest.mark.parametrize("acc", [WEAK, GOOD], ids=["weak", "good"])
