@@ -102,8 +102,8 @@ def test_a_draft_dearer_than_its_profile_is_priced_apart_so_gamma_0_does_not_inh
 @pytest.mark.parametrize("profile", [CPU, CPU_QUIET], ids=["cpu", "cpu-quiet"])
 @pytest.mark.parametrize("b", [1, 4])
 def test_a_transient_that_slowed_drafting_steps_does_not_hold_gamma_0_for_good(profile, b):
-    """100 steps in which a drafting step's target costs 3x and its draft passes 20x (contention: in a real
-    server, other processes starting left `nightjar` at γ = 0 for every later step, 5,000+ of them) and then
+    """100 steps in which the target's forward costs 3x and the draft passes 20x (contention: in a real server,
+    other processes starting left `nightjar` at γ = 0 for every later step, ~4,000 in three 30 s blocks) and then
     the box as before: the played arms and the measured draft scale carry the transient, γ = 0 becomes best by
     far and is never left again unless what was measured fades. Before it did, the last 500 of 2,000 steps
     cost 36-55 % over the oracle in every seed."""
