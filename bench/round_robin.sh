@@ -7,6 +7,7 @@
 # DIR is a checkout to serve from (the worktree of a revision, or .); SERVER_ARGS overrides the server flags.
 # Prints one line per block and, at the end, each variant's per-round ratio to the first variant.
 set -uo pipefail
+if [ $# -ne 5 ]; then echo "usage: bash bench/round_robin.sh OUT N D R 'NAME|DIR|POLICY;...'" >&2; exit 2; fi
 OUT=$1; N=$2; D=$3; R=$4; IFS=';' read -r -a V <<< "$5"
 cd "$(dirname "$0")/.."
 ROOT=$(pwd); PY=$ROOT/.venv/bin/python
@@ -35,11 +36,11 @@ for ((r = 0; r < R; r++)); do
   done
 done
 "$PY" - "$OUT" "${V[@]}" <<'PYEOF'
-import json, statistics, sys
+import json, os, statistics, sys
 out, names = sys.argv[1], [v.split("|")[0] for v in sys.argv[2:]]
 tps = {n: [] for n in names}
 r = 0
-while all(__import__("os").path.exists(f"{out}/{n}_r{r}.json") for n in names):
+while all(os.path.exists(f"{out}/{n}_r{r}.json") for n in names):
     for n in names:
         tps[n].append(json.load(open(f"{out}/{n}_r{r}.json"))["output_throughput"])
     r += 1
