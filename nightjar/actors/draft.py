@@ -107,7 +107,7 @@ class DraftExecutor(Actor):
                              catch_tokens, per_row)
 
     def _drafted(self, gamma, rows, tokens, probs, draft_s: float, catch_s: float, catch_tokens: int,
-                 gammas: tuple[int, ...], siblings: tuple[int, ...] = ()) -> StepDrafted:
+                 gammas: tuple[int, ...], siblings: tuple[int, ...] = (), looked: tuple[int, ...] = ()) -> StepDrafted:
         """The step's StepDrafted: per-row tokens flattened ([num_decode * γ], -1 padded); q probs kept
         in the buffer under the step's handle."""
         s = self.sched
@@ -117,7 +117,7 @@ class DraftExecutor(Actor):
         self.buffers.put(s.step, probs)
         return StepDrafted(step=s.step, gamma=gamma, draft_tokens=tuple(flat), handle=s.step,
                            draft_time_s=draft_s, catchup_time_s=catch_s, catchup_tokens=catch_tokens, gammas=gammas,
-                           siblings=siblings)
+                           siblings=siblings, looked=looked)
 
     def _catch_up(self, rows) -> int:
         """Prefill the draft KV of rows lagging by 2+ tokens, up to (not incl.) the last token."""

@@ -167,7 +167,8 @@ class HeadDraftExecutor(DraftExecutor):
         t1 = time.perf_counter()
         uniform = all(g == gamma or not sp for g, sp in zip(gams, s.speculate)) and not per_row
         return self._drafted(gamma, rows, tokens, probs, t1 - t0 - catch[1], catch[1], catch[0],
-                             () if uniform else tuple(gams), self._flat_siblings(rows, sibs))
+                             () if uniform else tuple(gams), self._flat_siblings(rows, sibs),
+                             tuple(row for (row, _, _, _), lk in zip(rows, looked) if lk))
 
     def _look_up(self, rows) -> list[list[int]]:
         """Prompt lookup's drafts per drafting row ([] where the head drafts: no match, or lookup off)."""

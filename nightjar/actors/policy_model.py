@@ -48,6 +48,7 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -87,7 +88,7 @@ class AcceptanceModel:
 
     def __init__(self, gamma_max: int, window: float = 400.0, prior: float = 0.5, z: float = 1.0,
                  cusum_k: float = 0.5, cusum_h: float = 8.0, keep: float = 0.2, prior_weight: float = 4.0) -> None:
-        self.g, self.d, self.pw = gamma_max, 1.0 - 1.0 / window, prior_weight
+        self.g, self.d, self.pw, self.window = gamma_max, 1.0 - 1.0 / window, prior_weight, window
         self.prior, self.z = prior, z
         self.acc = [0.0] * gamma_max
         self.n = [0.0] * gamma_max
@@ -98,6 +99,10 @@ class AcceptanceModel:
         self.e_hi = [1.0] * (gamma_max + 1)
         self.rate_hi = [prior] * gamma_max      # optimistic per-position rates (E⁺'s factors)
         self._refresh()
+
+    def empty(self) -> AcceptanceModel:
+        """A model with the same parameters and no counts."""
+        return AcceptanceModel(self.g, self.window, self.prior, self.z, self.k, self.h, self.keep, self.pw)
 
     def rho(self, i: int) -> float:
         """Smoothed rate at position i: ``prior_weight`` pseudo-samples at the previous position's rate
@@ -151,6 +156,35 @@ class AcceptanceModel:
             self.alarms += 1
             self.acc = [x * self.keep for x in self.acc]
             self.n = [x * self.keep for x in self.n]
+
+
+class LookupSplit:
+    """Prompt lookup's drafts learnt apart from the draft model's (``StepTimed.lookup_drafts``): a row whose
+    context repeats drafts by lookup, accepts long runs and runs no draft pass, so the two are priced apart and
+    mixed by the share of drafting rows that looked up in the last drafting step (a request in the middle of a
+    copied passage goes on copying). Created at the first step with lookup drafts; until then every draft was
+    the model's, so ``head`` starts as a copy of the pooled model."""
+
+    def __init__(self, pooled: AcceptanceModel) -> None:
+        self.head = copy.deepcopy(pooled)
+        self.lookup = pooled.empty()
+        self.share = 0.0
+
+    def observe(self, r: StepTimed) -> None:
+        n, k = r.num_drafts or r.batch_size, r.lookup_drafts
+        if k:
+            lk = r.lookup_accepted_per_pos
+            self.lookup.observe(lk, k)
+            if n > k:
+                self.head.observe(tuple(a - b for a, b in zip(r.accepted_per_pos, lk)), n - k)
+        else:
+            self.head.observe(r.accepted_per_pos, n, r.reached_per_pos)
+        self.share = k / n if n > 0 else 0.0
+
+    def e_hi(self) -> list[float]:
+        """E⁺(γ) of the next step's drafting rows: the two optimistic curves mixed by the last share."""
+        s = self.share
+        return [h + s * (x - h) for h, x in zip(self.head.e_hi, self.lookup.e_hi)]
 
 
 class _Arm:
@@ -262,6 +296,7 @@ class ModelNightjarPolicy(Policy):
         self._shapes: set[tuple[int, int]] = set()         # (B, γ) whose first step was seen (``_learn_time``)
         self._tree: dict[int, tuple[float, float]] = {}     # per bucket: discounted (tree hits, drafting rows)
         self._tree_d = 1.0 - 1.0 / accept_window
+        self.looked: LookupSplit | None = None   # prompt lookup's drafts apart (from the first step that had any)
 
     def tree_rate(self, c: int) -> float:
         """Share of drafting rows in bucket ``c`` that took a runner-up first draft (draft tree), discounted."""
@@ -298,13 +333,26 @@ class ModelNightjarPolicy(Policy):
         c1 = getattr(p, "catchup_per_token", None) if p is not None else None
         return None if c1 is None else (float(getattr(p, "catchup_c0", 0.0)), float(c1))
 
-    def base_row(self, b: int) -> list[float]:
+    def base_row(self, b: int, heads: float | None = None) -> list[float]:
         """base(B, γ) for γ = 0..gamma_max (in the level's units, for the bucket ``_ctx`` selected): the
         target's forward plus γ draft passes, each priced at the profile's (or the generic prior's) pass
-        until a draft time was measured, then at the measured seconds (``draft_scale``) over the level."""
+        until a draft time was measured, then at the measured seconds (``draft_scale``) over the level.
+        ``heads``: rows the draft passes run (the others draft by prompt lookup), B when not given."""
         tgt, dpass = self._base_parts(b)
+        if heads is not None and heads < b:
+            dpass = self._pass_of(b, heads)
         d = dpass * self._draft_factor()
         return [max(t + g * d, 1e-9) for g, t in enumerate(tgt)]
+
+    def _pass_of(self, b: int, heads: float) -> float:
+        """One draft pass over ``heads`` rows of a B-row step, linear between whole rows (0 rows: free)."""
+        dt = self._tables(b)[1]
+        lo = int(heads)
+        return dt[lo] if lo >= b else dt[lo] + (heads - lo) * (dt[lo + 1] - dt[lo])
+
+    def _heads(self, b: int) -> float | None:
+        """Rows expected to run the draft passes next step: those not expected to look up (``LookupSplit``)."""
+        return None if self.looked is None else b * (1.0 - self.looked.share)
 
     def _draft_factor(self) -> float:
         """What a draft base unit is worth in the level's units: measured seconds per priced unit / level.
@@ -353,6 +401,8 @@ class ModelNightjarPolicy(Policy):
         if r.drafted_per_pos:
             dt = self._tables(r.batch_size)[1]
             priced = sum(dt[n] for n in r.drafted_per_pos if n > 0)
+        elif r.lookup_drafts:                           # the passes ran only the rows that did not look up
+            priced = r.gamma * self._pass_of(r.batch_size, max(0, r.batch_size - r.lookup_drafts))
         else:
             priced = r.gamma * self._base_parts(r.batch_size)[1]
         if priced <= 0.0:
@@ -485,9 +535,12 @@ class ModelNightjarPolicy(Policy):
         if not state.draft_resident or batch_size <= 0:
             return 0
         b, c = batch_size, bucket(batch_size)
-        arms, row = self._ctx(c), self.base_row(b)
+        arms, row = self._ctx(c), self.base_row(b, self._heads(b))
         z = self.z
-        e_hi = self._rows_e(state) if self.harmonic and state.req_ids else self.accept.e_hi
+        if self.harmonic and state.req_ids:
+            e_hi = self._rows_e(state)
+        else:
+            e_hi = self.accept.e_hi if self.looked is None else self.looked.e_hi()
         extra = self._extras(state)
         ts = self._times(arms, row)
         if self.profile is None:
@@ -642,7 +695,11 @@ class ModelNightjarPolicy(Policy):
         if r.gamma > 0:
             self._run += 1
             if r.accepted_per_pos:
+                if r.lookup_drafts and self.looked is None:
+                    self.looked = LookupSplit(self.accept)
                 self.accept.observe(r.accepted_per_pos, r.num_drafts or r.batch_size, r.reached_per_pos)
+                if self.looked is not None:
+                    self.looked.observe(r)
             self._learn_tree(r)
         elif self._run:
             self.dwell = min(512.0, max(16.0, 0.9 * self.dwell + 0.1 * self._run))
@@ -662,7 +719,10 @@ class ModelNightjarPolicy(Policy):
     def _learn_time(self, r: StepTimed, t: float) -> None:
         b, g = r.batch_size, r.gamma
         arm = self._ctx(bucket(b))[g]                 # first: the base's draft part reads the bucket's level
-        base = self.mixed_base(b, r.drafted_per_pos) if r.drafted_per_pos else self.base_row(b)[g]
+        if r.drafted_per_pos:
+            base = self.mixed_base(b, r.drafted_per_pos)
+        else:
+            base = self.base_row(b, b - r.lookup_drafts if r.lookup_drafts else None)[g]
         if (b, g) not in self._shapes:
             self._shapes.add((b, g))
             if self._cold(arm, base, t):
@@ -739,4 +799,6 @@ class ModelNightjarPolicy(Policy):
                 "prefill_s_per_token": self.pf_nx / self.pf_xx if self.pf_xx else None,
                 "c_switch": None if ab is None else list(ab), "contexts": ctxs,
                 "decisions": self.decisions, "kv_decisions": self.kv_decisions, "per_request": self.per_request,
-                "tree_rate": {bucket_label(c): self.tree_rate(c) for c in sorted(self._tree)}}
+                "tree_rate": {bucket_label(c): self.tree_rate(c) for c in sorted(self._tree)},
+                "lookup": None if (lk := self.looked) is None else {
+                    "share": lk.share, "E_head": list(lk.head.e), "E_lookup": list(lk.lookup.e)}}

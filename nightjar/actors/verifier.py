@@ -408,8 +408,19 @@ class Verifier(Actor):
             num_prefill_tokens=sum(len(c) for c in s.chunk_ids[s.num_decode:]),
             drafted_per_pos=drafted_pp, reached_per_pos=reached_pp,
             draft_time_s=drafted.draft_time_s if drafted else 0.0, tree_hits=sum(hits),
+            **_lookup_split(drafted, chain),
         )
         return [verified, timed]
+
+
+def _lookup_split(drafted: StepDrafted | None, chain: list[int]) -> dict:
+    """StepTimed's share of a batch-level step's drafts that came from prompt lookup (StepDrafted.looked): how
+    many rows, and how many of them accepted each position, so the planner can learn their acceptance apart."""
+    if drafted is None or not drafted.looked or drafted.gammas:
+        return {}
+    rows = drafted.looked
+    return {"lookup_drafts": len(rows),
+            "lookup_accepted_per_pos": tuple(sum(1 for r in rows if chain[r] > i) for i in range(drafted.gamma))}
 
 
 def _verify_greedy(logits: torch.Tensor, offsets: list[int], drafts: list[list[int]]):

@@ -116,6 +116,7 @@ class StepDrafted(Msg, frozen=True):
     catchup_tokens: int = 0
     gammas: tuple[int, ...] = ()     # per decode row (empty: batch-level)
     siblings: tuple[int, ...] = ()   # [num_decode * width] runner-up first drafts, -1 where none (draft tree)
+    looked: tuple[int, ...] = ()     # decode rows that drafted by prompt lookup, not with the draft model
 
 
 class StepVerified(Msg, frozen=True):
@@ -149,6 +150,8 @@ class StepTimed(Msg, frozen=True):
     reached_per_pos: tuple[int, ...] = ()    # per-row γ only: rows that drafted position i with 0..i-1 accepted
     draft_time_s: float = 0.0        # the draft passes' part of step_time_s (0: γ = 0, or a trace from before)
     tree_hits: int = 0               # rows whose first draft missed and a sibling was the target's token
+    lookup_drafts: int = 0           # batch-level γ: drafting rows whose drafts came from prompt lookup
+    lookup_accepted_per_pos: tuple[int, ...] = ()    # ... and how many of them accepted position i
 
 
 class TokensCommitted(Msg, frozen=True):
