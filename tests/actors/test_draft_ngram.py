@@ -152,6 +152,56 @@ def test_a_head_with_prompt_lookup_stays_exact_and_looks_up_the_rows_that_repeat
                 assert stats.accepted_tokens >= 0.5 * stats.draft_tokens     # the lookups are right
 
 
+def test_the_rows_that_looked_up_are_reported_apart_for_the_planner(make_engine, smol_tokenizer):
+    """StepDrafted.looked names the decode rows that drafted by prompt lookup (the lookup's match count is theirs,
+    step by step) and StepTimed.lookup_* carries their count and accepted positions, a part of the step's own
+    (policy_model.LookupSplit learns from it); per-row γ steps report none."""
+    from nightjar.actors.draft_head import HeadDraftExecutor
+    from nightjar.kernel.messages import StepDrafted, StepTimed
+    from tests.actors.test_draft_head import random_head, repeat_pair
+    from tests.test_engine import run_all
+
+    target = repeat_pair(smol_tokenizer)[0]
+    pair = (target, LoadedModel(random_head(target.config), None, "random-head"))
+    prompts = prompts_of_mixed_length(smol_tokenizer, 6)
+    drafted, timed = {}, {}
+
+    def tap(env):
+        if isinstance(env.msg, StepDrafted):
+            drafted[env.msg.step] = env.msg
+        elif isinstance(env.msg, StepTimed) and env.msg.gamma:
+            timed[env.msg.step] = env.msg
+
+    async def main():
+        async with make_engine("fixed:3", pair=pair, max_num_seqs=6) as eng:
+            eng.bus.add_tap(tap)
+            await run_all(eng, prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+            return next(a for a in eng.actors if isinstance(a, HeadDraftExecutor)).lookup.matched
+    matched = asyncio.run(main())
+    assert matched > 0 and sum(len(d.looked) for d in drafted.values()) == matched
+    assert 0 < sum(len(d.looked) for d in drafted.values()) < sum(t.num_drafts for t in timed.values())
+    for step, t in timed.items():
+        d = drafted[step]
+        assert t.lookup_drafts == len(d.looked) and all(0 <= r < t.batch_size for r in d.looked)
+        if d.looked:
+            assert len(t.lookup_accepted_per_pos) == t.gamma
+            assert all(0 <= x <= y for x, y in zip(t.lookup_accepted_per_pos, t.accepted_per_pos))
+            assert t.lookup_accepted_per_pos[0] <= t.lookup_drafts
+
+
+def test_the_lookup_split_counts_the_looked_up_rows_chains_and_skips_per_row_steps():
+    from nightjar.actors.verifier import _lookup_split
+    from nightjar.kernel.messages import StepDrafted
+
+    d = StepDrafted(step=1, gamma=3, draft_tokens=(0,) * 9, handle=1, draft_time_s=0.0, looked=(0, 2))
+    assert _lookup_split(d, [3, 0, 1]) == {"lookup_drafts": 2, "lookup_accepted_per_pos": (2, 1, 1)}
+    assert _lookup_split(StepDrafted(step=1, gamma=3, draft_tokens=(0,) * 9, handle=1, draft_time_s=0.0),
+                         [3, 0, 1]) == {}
+    per_row = StepDrafted(step=1, gamma=3, draft_tokens=(0,) * 9, handle=1, draft_time_s=0.0, looked=(0,),
+                          gammas=(3, 0, 1))
+    assert _lookup_split(per_row, [3, 0, 1]) == {} and _lookup_split(None, []) == {}
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "head+lookup"])
 def test_unseeded_samples_with_prompt_lookup_follow_the_targets_distribution(drafter):
     """Rejection sampling against the proposal's one-hot q, from the n-gram drafter and from a head's prompt

@@ -419,3 +419,49 @@ def test_a_bucket_with_no_data_is_priced_from_what_every_bucket_measured(profile
         pol = nightjar(profile, seed)
         run_planner(pol, lambda t: env, lambda t: 24, 60, seed)
         assert pol.predict(48, 0)[0] == pytest.approx(0.8 * profile.target_time(48, 1), rel=0.05)
+
+
+def _run_of(rng: random.Random, rate: float, g: int) -> int:
+    """Drafts accepted in a row of γ = g drafts, each accepted with ``rate`` (synthetic)."""
+    a = 0
+    while a < g and rng.random() < rate:
+        a += 1
+    return a
+
+
+def test_prompt_lookup_drafts_are_learnt_apart_and_priced_by_the_last_share():
+    """Prompt lookup (actors/draft_head.py): a row whose context repeats drafts by lookup, accepts long runs and
+    runs no draft pass. Fed γ = 4 steps at B = 4 in which looked-up rows accept 0.9 per position and the draft
+    model's rows 0.3 (synthetic), in stretches of 10 steps where every row looks up or none does, the planner
+    learns the two apart (StepTimed.lookup_*) and how the share goes on from one step to the next (0.9 after a
+    step where all rows looked up, 0.1 after one where none did), and prices the next step by it: deep in a
+    lookup stretch, at most one draft outside. A step whose rows all looked up ran no draft pass, so its seconds
+    do not move the draft's price; steps without lookup drafts leave the split unbuilt (the pooled model
+    decides, as before)."""
+    rng, b, g = random.Random(0), 4, 4
+
+    def step(k: int):
+        lk, hd = [_run_of(rng, 0.9, g) for _ in range(k)], [_run_of(rng, 0.3, g) for _ in range(b - k)]
+        per = lambda runs: tuple(sum(1 for a in runs if a > i) for i in range(g))  # noqa: E731
+        d = g * CPU.draft_time(b - k) if k < b else 2e-5            # a lookup alone: microseconds
+        return timed(b, g, CPU.target_time(b, g + 1) + d, b + sum(lk) + sum(hd), accepted_per_pos=per(lk + hd),
+                     num_drafts=b, lookup_drafts=k, lookup_accepted_per_pos=per(lk) if k else (), draft_time_s=d)
+
+    plain = nightjar(CPU)
+    for _ in range(50):
+        plain.observe(step(0))
+    assert plain.looked is None and plain.snapshot()["lookup"] is None
+    pol = nightjar(CPU)
+    for t in range(300):
+        pol.observe(step(b * ((t // 10) % 2)))       # 10 steps where every row looks up, 10 where none does
+    assert pol.looked.head.rho(0) == pytest.approx(0.3, abs=0.08)
+    assert pol.looked.lookup.rho(0) == pytest.approx(0.9, abs=0.05)
+    assert pol.draft_scale == pytest.approx(1.0, abs=0.02)
+    pol.observe(step(b))
+    deep = pol.decide(b, PlannerState(prev_gamma=4))
+    assert pol.snapshot()["lookup"]["share"] == 1.0 and pol.looked.expected == pytest.approx(0.9, abs=0.05)
+    pol.observe(step(0))
+    assert pol.looked.expected == pytest.approx(0.1, abs=0.05)
+    none = pol.decide(b, PlannerState(prev_gamma=4))
+    print(f"lookup share 1: γ = {deep}; share 0: γ = {none}")
+    assert deep >= 3 and none <= 1
