@@ -1,6 +1,8 @@
 """Planner cost per decision (issue 13 budget: <= 20 µs, pure Python): decide() and observe() separately.
 ``nightjar:per-request`` is timed on decide_rows() (one γ_i per row, B cycling 1..64, mean 32.5 rows);
-``nightjar:harmonic`` on decide() with the rows' ids (it reads each row's own acceptance).
+``nightjar:harmonic`` on decide() with the rows' ids (it reads each row's own acceptance). A ``+lookup`` suffix
+(``nightjar+lookup``) feeds the policy steps in which a random share of the drafting rows drafted by prompt lookup
+(``StepTimed.lookup_*``), so it learns and prices the lookup's rows apart (policy_model.LookupSplit).
 
   python bench/planner_cost.py [--calls 20000] [--policies nightjar,nightjar-paper,dsd] [--repeats 3]
 
@@ -18,6 +20,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
+
 from nightjar.actors.policies import PlannerState
 from nightjar.actors.policy_factory import make_policy
 from nightjar.actors.step_profile import Profile
@@ -26,7 +30,19 @@ from nightjar.offline.sim.planner_env import WEAK, PlannerEnv
 PROFILE = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data" / "profile_cpu_bf16.json"
 
 
+def with_lookup(r, rng: random.Random):
+    """``r`` as if a random share of its drafting rows had drafted by prompt lookup (their accepted positions a
+    proportional part of the step's)."""
+    n = r.num_drafts
+    if not r.gamma or not n:
+        return r
+    k = rng.randint(0, n)
+    part = tuple(a * k // n for a in r.accepted_per_pos)
+    return msgspec.structs.replace(r, lookup_drafts=k, lookup_accepted_per_pos=part)
+
+
 def warmed(spec: str, prof: Profile):
+    spec, lookup = spec.removesuffix("+lookup"), spec.endswith("+lookup")
     opts = {"profile": prof} if spec.split(":")[0] in ("nightjar", "nightjar-nooffload") else {}
     pol = make_policy(spec, gamma_max=4, seed=0, **opts)
     env, rng = PlannerEnv(prof, WEAK), random.Random(0)
@@ -46,6 +62,8 @@ def warmed(spec: str, prof: Profile):
         else:
             g = pol.decide(b, PlannerState(True, 0, 1, lag_tokens=0))
         r = env.step(b, g, rng)
+        if lookup:
+            r = with_lookup(r, rng)
         pol.observe(r)
         results.append(r)
     return pol, results
