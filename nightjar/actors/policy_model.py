@@ -10,7 +10,8 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
   E⁺ adds z·√(ρ(1−ρ)/n) per position. Two one-sided CUSUMs on first-position acceptance (a drop, a rise)
   each keep ``cusum_keep`` of the counts when they fire. With prompt lookup (``LookupSplit``, from the first step
   that reports lookup drafts) the lookup's rows and the draft model's are learnt as two such models, E⁺ is the
-  two mixed by the last drafting step's share of lookup rows, and draft passes are priced for the other rows.
+  two mixed by the share of rows expected to look up next step (predicted from the last drafting step's share),
+  and draft passes are priced for the other rows.
 * **Step time** T̂(B, γ) = level · base(B, γ) · m(c, γ). ``base`` is the profile
   (``target_time(B, γ+1) + γ·draft_time(B)``, ``nightjar profile`` JSON or the simulator's profile) or,
   without one, a generic roofline-shaped prior (then the level is kept per bucket and arms not yet played

@@ -429,7 +429,7 @@ def _run_of(rng: random.Random, rate: float, g: int) -> int:
     return a
 
 
-def test_prompt_lookup_drafts_are_learnt_apart_and_priced_by_the_last_share():
+def test_prompt_lookup_drafts_are_learnt_apart_and_priced_by_the_expected_share():
     """Prompt lookup (actors/draft_head.py): a row whose context repeats drafts by lookup, accepts long runs and
     runs no draft pass. Fed γ = 4 steps at B = 4 in which looked-up rows accept 0.9 per position and the draft
     model's rows 0.3 (synthetic), in stretches of 10 steps where every row looks up or none does, the planner
