@@ -427,10 +427,8 @@ class ModelNightjarPolicy(Policy):
         if r.drafted_per_pos:
             dt = self._tables(r.batch_size)[1]
             priced = sum(dt[n] for n in r.drafted_per_pos if n > 0)
-        elif r.lookup_drafts:                           # the passes ran only the rows that did not look up
-            priced = r.gamma * self._pass_of(r.batch_size, max(0, r.batch_size - r.lookup_drafts))
-        else:
-            priced = r.gamma * self._base_parts(r.batch_size)[1]
+        else:                                           # the passes ran only the rows that did not look up
+            priced = r.gamma * self._pass_of(r.batch_size, r.batch_size - r.lookup_drafts)
         if priced <= 0.0:
             return
         w, s = self._faded(self.draft_w, self.draft_s, self.draft_t, self.clock)
@@ -748,7 +746,7 @@ class ModelNightjarPolicy(Policy):
         if r.drafted_per_pos:
             base = self.mixed_base(b, r.drafted_per_pos)
         else:
-            base = self.base_row(b, b - r.lookup_drafts if r.lookup_drafts else None)[g]
+            base = self.base_row(b, b - r.lookup_drafts)[g]
         if (b, g) not in self._shapes:
             self._shapes.add((b, g))
             if self._cold(arm, base, t):
