@@ -50,6 +50,7 @@ def validate_sampling(sp: SamplingSpec, vocab_size: int) -> str | None:
 class Admission(Actor):
     name: ClassVar[str] = "admission"
     subscribes = (SubmitRequest, TokensCommitted, AbortRequest)
+    quiet = (TokensCommitted,)          # finished ids only matter to the next submit or abort, handled after them
 
     def __init__(self, vocab_size: int, max_model_len: int, max_queue: int, pool_tokens: int | None = None):
         super().__init__()

@@ -75,6 +75,7 @@ class _DecodeRows:
 class Batcher(Actor):
     name: ClassVar[str] = "batcher"
     subscribes = (RequestAdmitted, CancelRequest, StepVerified, BlocksReserved, PoolResized)
+    quiet = (BlocksReserved,)           # mirrored blocks are read at the step's StepVerified, handled after it
 
     def __init__(self, num_blocks: int, block_size: int, eos_ids: tuple[int, ...] = (),
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 2048):

@@ -6,10 +6,20 @@ from dataclasses import dataclass, field
 import torch
 
 from nightjar.actors.sampler import gumbel_noise, seeded_scores
-from nightjar.kernel.messages import RequestAdmitted, SamplingSpec, TokensCommitted
+from nightjar.kernel.messages import BlocksReserved, RequestAdmitted, SamplingSpec, TokensCommitted
 from nightjar.kernel.seeds import derive_seed, request_seed
 from nightjar.models.cuda_graph import graph_forward
 from nightjar.models.llama import build_layout
+
+
+def drafter_stays_quiet(msg) -> bool:
+    """A drafter's bookkeeping waits in its mailbox (kernel/actor.py, quiet messages) for the next step it drafts
+    in; a finished request wakes it, so that its draft state is freed when the engine goes idle."""
+    if isinstance(msg, BlocksReserved):
+        return msg.gamma == 0
+    if isinstance(msg, TokensCommitted):
+        return not any(msg.finish)
+    return True
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from nightjar.actors.common import RequestMirrors, run_chunks, sampling_tensors, seeded_scores_of
+from nightjar.actors.common import RequestMirrors, drafter_stays_quiet, run_chunks, sampling_tensors, seeded_scores_of
 from nightjar.actors.gamma_allocator import row_gammas
 from nightjar.actors.sampler import SamplingHints, argmax_last, sample_from, transform_logits
 from nightjar.kernel.actor import Actor
@@ -50,6 +50,7 @@ class DraftBuffers:
 class DraftExecutor(Actor):
     name: ClassVar[str] = "draft"
     subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved, DraftResidency)
+    quiet = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved)   # stays_quiet
     blocking = True
 
     def __init__(self, slot, allocator: BlockAllocator, buffers: DraftBuffers, seed: int):
@@ -59,6 +60,9 @@ class DraftExecutor(Actor):
         self.mirrors = RequestMirrors(seed, "draft", slot.device)
         self.sched: StepScheduled | None = None
         self.resident = True
+
+    def stays_quiet(self, msg) -> bool:
+        return drafter_stays_quiet(msg)
 
     def handle(self, msg, now):
         done = self.mirrors.observe(msg)

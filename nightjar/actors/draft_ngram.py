@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from nightjar.actors.common import RequestMirrors
+from nightjar.actors.common import RequestMirrors, drafter_stays_quiet
 from nightjar.actors.draft import DraftBuffers
 from nightjar.actors.gamma_allocator import row_gammas
 from nightjar.kernel.actor import Actor
@@ -115,6 +115,7 @@ class NgramDraftExecutor(Actor):
 
     name: ClassVar[str] = "draft"
     subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved)
+    quiet = subscribes                # it wakes to draft, or when a request finishes (stays_quiet)
     blocking = True                   # relays its drafts to the verifier on the compute thread (kernel/actor.py)
 
     def __init__(self, buffers: DraftBuffers, seed: int, vocab_size: int, device: torch.device | str,
@@ -124,6 +125,9 @@ class NgramDraftExecutor(Actor):
         self.mirrors = RequestMirrors(seed, "draft", device)
         self.lookup = PromptLookup(*n)
         self.sched: StepScheduled | None = None
+
+    def stays_quiet(self, msg) -> bool:
+        return drafter_stays_quiet(msg)
 
     def handle(self, msg, now):
         done = self.mirrors.observe(msg)

@@ -31,6 +31,7 @@ SCRATCH_SEQ = -1          # the allocator's sequence id of the draft tree's scra
 class KVPoolActor(Actor):
     name: ClassVar[str] = "kv"
     subscribes = (StepScheduled, StepPlanned, TokensCommitted, ReleaseBlocks, GrowPool, ShrinkPool)
+    quiet = (StepScheduled, TokensCommitted)          # stays_quiet
 
     def __init__(self, allocator: BlockAllocator, cache=None, scratch_blocks: int = 0):
         super().__init__()
@@ -42,6 +43,11 @@ class KVPoolActor(Actor):
         self.inflight: int | None = None               # step whose slots are reserved and not committed
         self.pending_shrink = 0
         self.pending_grow = 0                          # blocks to add once no step is in flight
+
+    def stays_quiet(self, msg) -> bool:
+        """A step's commit waits for the next StepPlanned unless it frees blocks (a request finished: an idle
+        engine's pool is then all free) or lets a pending resize run."""
+        return isinstance(msg, StepScheduled) or not (any(msg.finish) or self.pending_grow or self.pending_shrink)
 
     def handle(self, msg, now):
         match msg:

@@ -38,6 +38,7 @@ from nightjar.kernel.messages import (
 class Planner(Actor):
     name: ClassVar[str] = "planner"
     subscribes = (StepScheduled, StepTimed, DraftResidency, BlocksReserved, StepVerified)
+    quiet = (StepTimed, DraftResidency, BlocksReserved, StepVerified)    # observed at the next StepScheduled
 
     def __init__(self, policy: str, gamma_max: int, seed: int, has_draft: bool, *, draft_blocks: int = 0,
                  max_batch: int = 1 << 30, profile=None, profile_scale: float = 1.0, **opts):

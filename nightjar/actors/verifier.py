@@ -73,6 +73,7 @@ class SiblingRows:
 class Verifier(Actor):
     name: ClassVar[str] = "verifier"
     subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved, StepDrafted)
+    quiet = (RequestAdmitted, TokensCommitted, StepScheduled)     # bookkeeping: done in the step's forward job
     blocking = True
 
     def __init__(self, model, cache, block_size: int, buffers: DraftBuffers, seed: int,

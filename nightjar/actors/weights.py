@@ -85,6 +85,7 @@ class WeightMover(Actor):
     name: ClassVar[str] = "weights"
     subscribes = (StepScheduled, BlocksReserved, StepVerified, TransferFinished, PoolResized,
                   OffloadDraft, ReloadDraft, RequestAdmitted, TokensCommitted, DraftQuiesced)
+    quiet = (StepScheduled, RequestAdmitted, BlocksReserved, StepVerified, TokensCommitted)    # stays_quiet
 
     def __init__(self, slot: DraftSlot | None, triggers: Triggers | None, elastic: bool, transfer=None):
         super().__init__()
@@ -106,6 +107,21 @@ class WeightMover(Actor):
 
     def on_start(self, now):
         return [DraftResidency(resident=self.slot is not None, state=self.state)]
+
+    def stays_quiet(self, msg) -> bool:
+        """StepScheduled and RequestAdmitted only feed later decisions. Without elastic memory and no command
+        moving the draft, nothing else in a step can start anything either; with it, a StepVerified can only
+        finish an offload under way and a TokensCommitted only bring back an offloaded draft, while every
+        BlocksReserved is weighed at once."""
+        if isinstance(msg, (StepScheduled, RequestAdmitted)):
+            return True
+        if not self.elastic and self.state in ("NONE", "RESIDENT"):
+            return True
+        if isinstance(msg, StepVerified):
+            return self.state != "OFFLOADING"
+        if isinstance(msg, TokensCommitted):
+            return self.state != "OFFLOADED"
+        return False
 
     def handle(self, msg, now):
         match msg:

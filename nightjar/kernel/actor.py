@@ -9,6 +9,12 @@ stages at most: relaying actor, relayed actor, relaying actor). Everything is st
 actors would have published it (each stage's outputs after the previous stage's), under each actor's own name,
 and a relayed message is not posted to the mailbox of the actor that has handled it.
 
+Quiet messages: an actor may name subscribed types (``quiet``) that do not wake it when ``stays_quiet(msg)``
+says so (by default always): they wait in its mailbox and are handled, in order, with the next message that
+wakes it. Only for messages whose handling outputs nothing and whose effect no one needs before a waking
+message comes: each wake-up is a task switch, and for a blocking actor a job on the compute thread.
+``stays_quiet`` runs on the event loop at publish, so a blocking actor's may read only the message.
+
 Crash-only: an exception in ``handle`` ends the actor's task, and the supervisor stops the engine.
 """
 from __future__ import annotations
@@ -41,6 +47,7 @@ class Actor:
     subscribes: ClassVar[tuple[type, ...]] = ()
     blocking: ClassVar[bool] = False        # run handle() in the compute thread (model actors)
     relay_to: Actor | None = None           # takes the outputs it accepts in the same call (module docstring)
+    quiet: ClassVar[tuple[type, ...]] = ()  # subscribed types that may wait without waking it (module docstring)
 
     def __init__(self) -> None:
         self.mailbox = Mailbox()
@@ -48,7 +55,11 @@ class Actor:
     def attach(self, bus: Bus) -> None:
         self.bus = bus
         for t in self.subscribes:
-            bus.subscribe(t, self.mailbox)
+            bus.subscribe(t, self.mailbox, self.stays_quiet if t in self.quiet else None)
+
+    def stays_quiet(self, msg: Msg) -> bool:
+        """May ``msg``, of a ``quiet`` type, wait in the mailbox without waking this actor (module docstring)?"""
+        return True
 
     def on_start(self, now: float) -> list[Msg]:
         return []

@@ -17,25 +17,35 @@ class Envelope(msgspec.Struct, frozen=True, gc=False):
     msg: BusMsg
 
 
+QUIET_LIMIT = 256      # quiet envelopes a mailbox holds before one wakes its actor anyway (bounds the memory)
+
+
 class Mailbox:
-    """A deque plus one waiter future: ``post`` is sync and O(1) and wakes only a pending waiter."""
+    """A deque plus one waiter future: ``post`` is sync and O(1) and wakes only a pending waiter.
+
+    A quiet post (``wake=False``) queues without waking: the envelope is drained, in order, with the next one
+    that wakes (or once ``QUIET_LIMIT`` are pending)."""
 
     def __init__(self) -> None:
         self._items: deque[Envelope] = deque()
         self._waiter: asyncio.Future | None = None
+        self._awake = False             # a waking envelope is pending
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def post(self, env: Envelope) -> None:
+    def post(self, env: Envelope, wake: bool = True) -> None:
         self._items.append(env)
+        if not (wake or len(self._items) >= QUIET_LIMIT):
+            return
+        self._awake = True
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     async def get_all(self) -> list[Envelope]:
-        """Wait for one envelope, then drain everything pending."""
-        while not self._items:
+        """Wait for a waking envelope, then drain everything pending (quiet ones included)."""
+        while not self._awake:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -43,21 +53,25 @@ class Mailbox:
                 self._waiter = None
         items = list(self._items)
         self._items.clear()
+        self._awake = False
         return items
 
 
 Tap = Callable[[Envelope], None]
+Quiet = Callable[[BusMsg], bool]        # True: this message stays quiet in the subscriber's mailbox
 
 
 class Bus:
     def __init__(self, clock) -> None:
         self.clock = clock
         self.seq = 0
-        self._routes: dict[type, list[Mailbox]] = defaultdict(list)
+        self._routes: dict[type, list[tuple[Mailbox, Quiet | None]]] = defaultdict(list)
         self._taps: list[Tap] = []
 
-    def subscribe(self, msg_type: type, mailbox: Mailbox) -> None:
-        self._routes[msg_type].append(mailbox)
+    def subscribe(self, msg_type: type, mailbox: Mailbox, quiet: Quiet | None = None) -> None:
+        """Route ``msg_type`` to ``mailbox``; ``quiet``: asked at each publish whether the message may wait
+        there without waking its actor (Mailbox)."""
+        self._routes[msg_type].append((mailbox, quiet))
 
     def add_tap(self, tap: Tap) -> None:
         self._taps.append(tap)
@@ -73,6 +87,6 @@ class Bus:
             env = Envelope(self.seq, self.clock.now(), src, msg)
             for tap in self._taps:
                 tap(env)
-            for box in self._routes.get(type(msg), ()):
+            for box, quiet in self._routes.get(type(msg), ()):
                 if box is not skip:
-                    box.post(env)
+                    box.post(env, quiet is None or not quiet(msg))

@@ -359,3 +359,25 @@ def test_the_draft_executor_says_it_is_quiesced_only_when_an_offload_starts():
     for state in ("OFFLOADED", "SHRINKING", "RELOADING"):
         assert ex.handle(DraftResidency(resident=False, state=state), 0.0) is None
     assert ex.handle(DraftResidency(resident=True, state="RESIDENT"), 0.0) is None and ex.resident
+
+
+def test_what_the_mover_leaves_quiet_would_answer_with_nothing_in_every_state():
+    """The contract of a quiet message (kernel/actor.py): whatever ``stays_quiet`` lets wait in the mailbox must
+    output nothing when handled, in each state of a trigger-driven cycle (elastic) and a command-driven one."""
+    import copy
+
+    fin = TokensCommitted(step=1, req_ids=(1,), counts=(0,), tokens=(), num_computed=(0,),
+                          finish=(int(FinishReason.LENGTH),), num_prompt=(1,))
+    probes = [sched(0), admit(2), res(9), res(90, 110), res(5, gamma=2), verified(), fin]
+    triggered = [admit(), res(9), res(9), res(9), OFF_DONE, PoolResized(num_total=110, delta=DRAFT), res(21, 110),
+                 res(21, 110), res(21, 110), SHRUNK, RE_DONE]
+    commanded = [admit(), OffloadDraft(), verified(), OFF_DONE, ReloadDraft(), SHRUNK, RE_DONE]
+    for elastic, rows in ((True, triggered), (False, commanded)):
+        m, quiet = mover(elastic=elastic), 0
+        for msg in rows:
+            for p in probes:
+                if m.stays_quiet(p):
+                    quiet += 1
+                    assert copy.deepcopy(m).handle(p, 0.0) is None, (m.state, p)
+            m.handle(msg, 0.0)
+        assert m.state == "RESIDENT" and quiet > len(rows) * 2

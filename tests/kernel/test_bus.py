@@ -112,6 +112,55 @@ async def test_a_cancelled_get_all_leaves_the_mailbox_usable():
     assert await asyncio.wait_for(box.get_all(), TIMEOUT) == [env]
 
 
+async def test_a_quiet_post_waits_without_waking_and_is_drained_in_order_with_the_next_that_wakes():
+    box = Mailbox()
+    envs = [Envelope(i, 0.0, "s", StepPlanned(step=i, gamma=0)) for i in range(1, 4)]
+    getter = asyncio.ensure_future(box.get_all())
+    await asyncio.sleep(0)
+    box.post(envs[0], wake=False)
+    box.post(envs[1], wake=False)
+    await asyncio.sleep(0.01)
+    assert not getter.done() and len(box) == 2        # queued, the waiter still asleep
+    box.post(envs[2])
+    assert await asyncio.wait_for(getter, TIMEOUT) == envs
+    box.post(envs[0], wake=False)                      # nothing that wakes is pending: get_all waits
+    getter = asyncio.ensure_future(box.get_all())
+    await asyncio.sleep(0.01)
+    assert not getter.done()
+    getter.cancel()
+    await asyncio.gather(getter, return_exceptions=True)
+
+
+async def test_quiet_posts_wake_the_actor_once_the_limit_is_pending():
+    from nightjar.kernel.bus import QUIET_LIMIT
+
+    box = Mailbox()
+    getter = asyncio.ensure_future(box.get_all())
+    await asyncio.sleep(0)
+    for i in range(QUIET_LIMIT - 1):
+        box.post(Envelope(i, 0.0, "s", StepPlanned(step=i, gamma=0)), wake=False)
+    await asyncio.sleep(0.01)
+    assert not getter.done()
+    box.post(Envelope(QUIET_LIMIT, 0.0, "s", StepPlanned(step=QUIET_LIMIT, gamma=0)), wake=False)
+    assert len(await asyncio.wait_for(getter, TIMEOUT)) == QUIET_LIMIT
+
+
+def test_a_subscription_s_quiet_predicate_is_asked_per_message():
+    bus = Bus(VirtualClock())
+    box = Mailbox()
+    asked = []
+    bus.subscribe(StepPlanned, box, quiet=lambda m: asked.append(m.step) or m.gamma == 0)
+    bus.subscribe(AbortRequest, box)
+    bus.publish("x", [StepPlanned(step=1, gamma=0)])
+    assert len(box) == 1 and not box._awake
+    bus.publish("x", [AbortRequest(req_id=3)])         # no predicate: wakes
+    assert box._awake and asked == [1]
+    drain(box)
+    box._awake = False
+    bus.publish("x", [StepPlanned(step=2, gamma=2)])
+    assert box._awake and asked == [1, 2]
+
+
 # ---- actors on a live loop --------------------------------------------------------------------
 class Recorder(Actor):
     """Records what it handles (message, now, thread) and answers each StepPlanned with a ReleaseBlocks."""
@@ -176,6 +225,34 @@ async def test_an_actor_handles_in_seq_order_and_publishes_each_batch_once_after
                                                         (6, "recorder", ReleaseBlocks(req_ids=(2,)))]
     assert actor.last_seq == 4
     assert actor.threads == {threading.current_thread().name}     # a non-blocking actor runs on the loop
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+class QuietRecorder(Recorder):
+    """A Recorder whose AbortRequests wait for the next StepPlanned."""
+    quiet = (AbortRequest,)
+    batches: int = 0
+
+    def handle_batch(self, envs):
+        self.batches += 1
+        return super().handle_batch(envs)
+
+
+async def test_an_actor_handles_its_quiet_messages_in_order_with_the_next_that_wakes_it():
+    actor = QuietRecorder()
+    bus, seen = wired(actor)
+    task = asyncio.ensure_future(actor.run())
+    await until(lambda: seen, "on_start output")
+    bus.publish("test", [AbortRequest(req_id=1)])
+    bus.publish("test", [AbortRequest(req_id=2)])
+    await asyncio.sleep(0.02)
+    assert actor.handled == [] and actor.batches == 0
+    bus.publish("test", [StepPlanned(step=3, gamma=0)])
+    await until(lambda: actor.handled, "the waking message")
+    assert [m for m, _ in actor.handled] == [AbortRequest(req_id=1), AbortRequest(req_id=2),
+                                            StepPlanned(step=3, gamma=0)]
+    assert actor.batches == 1 and actor.last_seq == 4
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 

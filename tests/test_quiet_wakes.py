@@ -1,0 +1,55 @@
+"""Quiet messages (kernel/actor.py): a step's bookkeeping waits in the mailboxes of the actors it does not
+concern until a message that does arrives. A γ = 0 step wakes the verifier, batcher and planner once each (the
+verifier one compute-thread job), the weight mover without elastic memory and the admission actor not at all,
+and a drafter only in the steps it drafts in or when a request finishes. Tokens stay `off`'s."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from nightjar.sampling import SamplingParams
+from tests.actors.test_draft_head import head_pair  # noqa: F401  (fixture)
+from tests.test_engine import assert_pool_clean, pool_settled, prompts_of_mixed_length, run_all
+
+
+def counted_run(make_engine, policy, prompts, params, **kw):
+    """(tokens per prompt, handle_batch calls per actor, engine steps)."""
+    async def main():
+        async with make_engine(policy, **kw) as eng:
+            calls: Counter = Counter()
+            for a in eng.actors:
+                def counted(envs, orig=a.handle_batch, name=a.name):
+                    calls[name] += 1
+                    return orig(envs)
+                a.handle_batch = counted
+            res = await run_all(eng, prompts, params, stagger=0)
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+            return res, calls, eng.stats.steps
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_gamma_0_step_wakes_each_actor_it_concerns_once(make_engine, smol_tokenizer, inline):
+    prompts = prompts_of_mixed_length(smol_tokenizer, 3)[2:]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    _, calls, steps = counted_run(make_engine, "off", prompts, params, inline_compute=inline)
+    assert steps >= 24
+    for name in ("verifier", "batcher", "planner", "kv"):
+        assert calls[name] <= steps + 2, (name, calls, steps)
+    assert calls["weights"] <= 1 and calls["admission"] <= 2, calls
+
+
+@pytest.mark.parametrize("drafter", ["independent", "head", "ngram"])
+def test_a_drafter_wakes_in_the_steps_it_drafts_in_and_tokens_stay_off_s(make_engine, smol_tokenizer, tiny_pair,
+                                                                          head_pair, drafter):  # noqa: F811
+    pair = {"independent": tiny_pair, "head": head_pair, "ngram": (tiny_pair[0], None)}[drafter]
+    kw = {"draft": "ngram"} if drafter == "ngram" else {}
+    prompts = prompts_of_mixed_length(smol_tokenizer, 4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref, _, _ = counted_run(make_engine, "off", prompts, params, pair=pair, max_num_seqs=4)
+    got, calls, steps = counted_run(make_engine, "fixed:2", prompts, params, pair=pair, max_num_seqs=4, **kw)
+    assert got == ref
+    assert calls["draft"] <= steps + len(prompts) + 2, (calls, steps)
