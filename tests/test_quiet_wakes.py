@@ -53,3 +53,12 @@ def test_a_drafter_wakes_in_the_steps_it_drafts_in_and_tokens_stay_off_s(make_en
     got, calls, steps = counted_run(make_engine, "fixed:2", prompts, params, pair=pair, max_num_seqs=4, **kw)
     assert got == ref
     assert calls["draft"] <= steps + len(prompts) + 2, (calls, steps)
+
+
+def test_a_resident_head_runs_no_job_in_gamma_0_steps(make_engine, smol_tokenizer, head_pair):  # noqa: F811
+    """At γ = 0 the head's StepVerified is quiet too: it wakes when a request finishes and stores the features
+    of the steps before then (tests/actors/test_draft_head.py checks they are the right ones)."""
+    prompts = prompts_of_mixed_length(smol_tokenizer, 4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    _, calls, steps = counted_run(make_engine, "fixed:0", prompts, params, pair=head_pair, max_num_seqs=4)
+    assert steps >= 20 and calls["draft"] <= len(prompts) + 2, (calls, steps)

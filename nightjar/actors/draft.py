@@ -40,10 +40,14 @@ class DraftBuffers:
         return self._bufs.pop(handle, {})
 
     def put_features(self, step: int, feats: torch.Tensor, row_lens: tuple[int, ...]) -> None:
-        """The target's captured features [T, nF*H] of a step (rows of ``row_lens`` tokens, in order)."""
-        self._feats = {step: (feats, row_lens)}          # only the latest step's are ever read
+        """The target's captured features [T, nF*H] of a step (rows of ``row_lens`` tokens, in order), kept until
+        the head executor takes them: its StepVerified is quiet (kernel/actor.py), so a run of steps may wait."""
+        self._feats[step] = (feats, row_lens)
 
     def take_features(self, step: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """That step's features; those of earlier steps, never taken, are dropped with them."""
+        for old in [s for s in self._feats if s < step]:
+            del self._feats[old]
         return self._feats.pop(step, None)
 
 

@@ -64,6 +64,8 @@ class HeadDraftExecutor(DraftExecutor):
     name: ClassVar[str] = "draft"
     subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved,
                   StepVerified, DraftResidency)
+    # a step's features are stored at the next wake-up (a drafting step, a finished request): none in γ = 0 steps
+    quiet = DraftExecutor.quiet + (StepVerified,)
 
     def __init__(self, slot, allocator, buffers, seed: int, embed: torch.nn.Module, tree: int = 0,
                  tree_batch: int = 2, lookup: int = 0):

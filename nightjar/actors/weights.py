@@ -5,8 +5,8 @@ States (algorithm reference §3): RESIDENT -> OFFLOADING -> OFFLOADED (pool expa
 -> RELOADING -> RESIDENT. γ > 0 only while RESIDENT: every change is announced by DraftResidency.
 Transfers run on the transfer worker; their completion comes back as a TransferFinished message. In the
 engine an offload's copy starts only once the draft executor has answered DraftResidency(OFFLOADING) with
-DraftQuiesced: a draft head writes its cache after every verified step, γ = 0 ones included, and a write
-racing the release stopped the engine (tests/actors/test_draft_head.py).
+DraftQuiesced: a draft head writes its cache in γ = 0 steps too (the features of the steps before), and a
+write racing the release stopped the engine (tests/actors/test_draft_head.py).
 
 The reload is always reachable: its headroom is capped by the base pool (an empty pool always
 qualifies), and an engine with no request in flight reloads at once (no steps run to persist over).

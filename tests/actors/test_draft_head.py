@@ -108,6 +108,52 @@ def test_an_oracle_head_fed_the_right_positions_is_always_accepted(make_engine, 
     assert stats.accepted_tokens >= 0.8 * stats.draft_tokens
 
 
+class CycledGamma:
+    """A batch-level policy stand-in: γ = 0 for three steps, then γ = 2, over and over."""
+    name, uses_draft, elastic_memory, gamma_max = "cycled", True, False, 2
+
+    def __init__(self):
+        import itertools
+
+        self.gammas = itertools.cycle((0, 0, 0, 2))
+
+    def decide(self, batch_size, state):
+        return next(self.gammas)
+
+    def observe(self, result):
+        pass
+
+    def snapshot(self):
+        return {"policy": self.name}
+
+
+def test_features_of_gamma_0_steps_stored_late_still_line_up(make_engine, smol_tokenizer, monkeypatch):
+    """The head stores the γ = 0 steps' features only at its next wake-up (its StepVerified is quiet): every
+    step's features still reach the head's context, with no gap (a gap restarts the context), and the oracle
+    head stays accepted after each γ = 0 run."""
+    import nightjar.actors.planner as planner_mod
+    from nightjar.actors.draft_head import HeadDraftExecutor
+
+    gaps, extend = [], HeadDraftExecutor._extend
+
+    def spied(self, rid, p0, k):
+        c = self.ctx.get(rid)
+        if c is not None and c.fend != p0:
+            gaps.append((rid, c.fend, p0))
+        return extend(self, rid, p0, k)
+
+    pair = repeat_pair(smol_tokenizer)
+    prompts = prompts_of_mixed_length(smol_tokenizer, 6)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    ref, _ = generate_with(make_engine, "off", prompts, params, pair=pair)
+    monkeypatch.setattr(planner_mod, "make_policy", lambda *a, **k: CycledGamma())
+    monkeypatch.setattr(HeadDraftExecutor, "_extend", spied)
+    got, stats = generate_with(make_engine, "nightjar", prompts, params, pair=pair, max_num_seqs=3, prompt_lookup=0,
+                               gamma_max=2)
+    assert got == ref and stats.draft_tokens > 20 and gaps == []
+    assert stats.accepted_tokens >= 0.8 * stats.draft_tokens
+
+
 def test_offload_reload_cycles_with_a_head_keep_greedy_tokens_and_restart_its_context(make_engine, smol_tokenizer):
     """Forced offload -> reload with requests in flight: the head's KV and features leave the device
     (counted in the budget), tokens stay `off`'s, and requests whose features have a gap start a fresh
