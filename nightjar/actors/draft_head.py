@@ -64,8 +64,7 @@ class HeadDraftExecutor(DraftExecutor):
     name: ClassVar[str] = "draft"
     subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved,
                   StepVerified, DraftResidency)
-    # a step's features are stored at the next wake-up (a drafting step, a finished request): none in γ = 0 steps
-    quiet = DraftExecutor.quiet + (StepVerified,)
+    quiet = DraftExecutor.quiet + (StepVerified,)       # stays_quiet
 
     def __init__(self, slot, allocator, buffers, seed: int, embed: torch.nn.Module, tree: int = 0,
                  tree_batch: int = 2, lookup: int = 0):
@@ -85,6 +84,14 @@ class HeadDraftExecutor(DraftExecutor):
               and not len(self.mailbox))
         self.verified_relayed += ok
         return ok
+
+    def stays_quiet(self, msg) -> bool:
+        """A decode-only step's features are stored at the next wake-up (a drafting step, a finished request, a
+        prompt), so γ = 0 decode steps run no job of the head; a prompt's features are large, so a step with a
+        prefill row wakes it."""
+        if isinstance(msg, StepVerified):
+            return msg.num_decode == len(msg.req_ids)
+        return super().stays_quiet(msg)
 
     def handle(self, msg, now):
         match msg:
