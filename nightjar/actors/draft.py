@@ -55,6 +55,7 @@ class DraftExecutor(Actor):
     name: ClassVar[str] = "draft"
     subscribes = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved, DraftResidency)
     quiet = (RequestAdmitted, TokensCommitted, RequestsPreempted, StepScheduled, BlocksReserved)   # stays_quiet
+    stays_quiet = staticmethod(drafter_stays_quiet)
     blocking = True
 
     def __init__(self, slot, allocator: BlockAllocator, buffers: DraftBuffers, seed: int):
@@ -64,9 +65,6 @@ class DraftExecutor(Actor):
         self.mirrors = RequestMirrors(seed, "draft", slot.device)
         self.sched: StepScheduled | None = None
         self.resident = True
-
-    def stays_quiet(self, msg) -> bool:
-        return drafter_stays_quiet(msg)
 
     def handle(self, msg, now):
         done = self.mirrors.observe(msg)

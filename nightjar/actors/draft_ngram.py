@@ -116,6 +116,7 @@ class NgramDraftExecutor(Actor):
     name: ClassVar[str] = "draft"
     subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved)
     quiet = subscribes                # it wakes to draft, or when a request finishes (stays_quiet)
+    stays_quiet = staticmethod(drafter_stays_quiet)
     blocking = True                   # relays its drafts to the verifier on the compute thread (kernel/actor.py)
 
     def __init__(self, buffers: DraftBuffers, seed: int, vocab_size: int, device: torch.device | str,
@@ -125,9 +126,6 @@ class NgramDraftExecutor(Actor):
         self.mirrors = RequestMirrors(seed, "draft", device)
         self.lookup = PromptLookup(*n)
         self.sched: StepScheduled | None = None
-
-    def stays_quiet(self, msg) -> bool:
-        return drafter_stays_quiet(msg)
 
     def handle(self, msg, now):
         done = self.mirrors.observe(msg)
