@@ -3,11 +3,12 @@
 # once and kept up, then R rounds run a D-second closed loop of N clients against each in turn (order rotated per
 # round). Drift of this noisy box (±10 % over minutes) then hits every variant alike, and each round gives one
 # paired ratio. A server that is not in its block is idle.
-#   bash bench/round_robin.sh OUT N D R "NAME|DIR|POLICY;NAME|DIR|POLICY;..."
-# DIR is a checkout to serve from (the worktree of a revision, or .); SERVER_ARGS overrides the server flags.
+#   bash bench/round_robin.sh OUT N D R "NAME|DIR|POLICY[|FLAGS];NAME|DIR|POLICY[|FLAGS];..."
+# DIR is a checkout to serve from (the worktree of a revision, or .); SERVER_ARGS overrides the server flags that
+# every variant gets, FLAGS (optional) adds server flags to one variant (e.g. "--draft-tree 1").
 # Prints one line per block and, at the end, each variant's per-round ratio to the first variant.
 set -uo pipefail
-if [ $# -ne 5 ]; then echo "usage: bash bench/round_robin.sh OUT N D R 'NAME|DIR|POLICY;...'" >&2; exit 2; fi
+if [ $# -ne 5 ]; then echo "usage: bash bench/round_robin.sh OUT N D R 'NAME|DIR|POLICY[|FLAGS];...'" >&2; exit 2; fi
 OUT=$1; N=$2; D=$3; R=$4; IFS=';' read -r -a V <<< "$5"
 cd "$(dirname "$0")/.."
 ROOT=$(pwd); PY=$ROOT/.venv/bin/python
@@ -19,8 +20,9 @@ trap stop EXIT
 for i in "${!V[@]}"; do
   port=$((PORT0 + i))
   if curl -sf "http://127.0.0.1:$port/health" >/dev/null; then echo "port $port is taken" >&2; exit 2; fi
-  IFS='|' read -r name dir pol <<< "${V[$i]}"
-  (cd "$dir" && "$PY" -m nightjar serve --policy "$pol" --host 127.0.0.1 --port "$port" $ARGS > "$OUT/server_$name.log" 2>&1 &)
+  IFS='|' read -r name dir pol flags <<< "${V[$i]}"
+  (cd "$dir" && "$PY" -m nightjar serve --policy "$pol" --host 127.0.0.1 --port "$port" $ARGS $flags \
+     > "$OUT/server_$name.log" 2>&1 &)
 done
 for i in "${!V[@]}"; do
   for _ in $(seq 600); do curl -sf "http://127.0.0.1:$((PORT0 + i))/health" >/dev/null && break; sleep 1; done
@@ -28,7 +30,7 @@ done
 n=${#V[@]}
 for ((r = 0; r < R; r++)); do
   for ((j = 0; j < n; j++)); do
-    i=$(( (j + r) % n )); IFS='|' read -r name dir pol <<< "${V[$i]}"
+    i=$(( (j + r) % n )); IFS='|' read -r name _ <<< "${V[$i]}"
     "$PY" -m nightjar bench serve --base-url "http://127.0.0.1:$((PORT0 + i))" --closed-loop "$N" --duration "$D" \
       --dataset-name prompts --split heldout --output-len 96 --temperature 0 --disable-tqdm --quiet --seed "$r" \
       --output-json "$OUT/${name}_r$r.json" >/dev/null 2>>"$OUT/client.log"
