@@ -8,7 +8,9 @@
 # every variant gets, FLAGS (optional) adds server flags to one variant (e.g. "--draft-tree 1").
 # Prints one line per block and, at the end, each variant's per-round ratio to the first variant.
 set -uo pipefail
-if [ $# -ne 5 ]; then echo "usage: bash bench/round_robin.sh OUT N D R 'NAME|DIR|POLICY[|FLAGS];...'" >&2; exit 2; fi
+if [ $# -ne 5 ]; then
+  echo "usage: bash bench/round_robin.sh OUT N D R 'NAME|DIR|POLICY[|FLAGS];...'" >&2; exit 2
+fi
 OUT=$1; N=$2; D=$3; R=$4; IFS=';' read -r -a V <<< "$5"
 cd "$(dirname "$0")/.."
 ROOT=$(pwd); PY=$ROOT/.venv/bin/python
