@@ -64,3 +64,52 @@ def test_a_resident_head_runs_no_job_in_gamma_0_steps(make_engine, smol_tokenize
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     _, calls, steps = counted_run(make_engine, "fixed:0", prompts, params, pair=head_pair, max_num_seqs=4)
     assert steps >= 20 and calls["draft"] <= 2 * len(prompts) + 2, (calls, steps)
+
+
+def test_an_offloaded_head_gets_no_features_and_no_job_per_prompt_chunk(make_engine, smol_tokenizer, monkeypatch,
+                                                                        head_pair):  # noqa: F811
+    """While the head is offloaded the verifier captures no features (the head would store none) and a step with
+    a prompt chunk leaves the head quiet: it wakes about once per finished request, not for every prompt chunk
+    as well. Tokens stay `off`'s; after a reload the head drafts again."""
+    from nightjar.actors.draft import DraftBuffers
+    from nightjar.kernel.messages import OffloadDraft, ReloadDraft
+    from tests.test_elastic import wait_for, wait_state
+
+    prompts = prompts_of_mixed_length(smol_tokenizer, 10)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref, _, _ = counted_run(make_engine, "off", prompts, params, pair=head_pair, max_num_seqs=2)
+    puts: list[int] = []
+    put = DraftBuffers.put_features
+    monkeypatch.setattr(DraftBuffers, "put_features", lambda self, step, f, lens: (puts.append(step),
+                                                                                    put(self, step, f, lens)))
+
+    async def main():
+        async with make_engine("fixed:2", pair=head_pair, max_num_seqs=2) as eng:
+            eng.bus.publish("test", [OffloadDraft(reason="test")])
+            await wait_state(eng, "OFFLOADED")
+            calls: Counter = Counter()
+            draft = next(a for a in eng.actors if a.name == "draft")
+            orig = draft.handle_batch
+
+            def counted(envs):
+                calls["draft"] += 1
+                calls["prefill_steps_seen"] += sum(1 for e in envs if type(e.msg).__name__ == "StepVerified"
+                                                   and e.msg.num_decode < len(e.msg.req_ids))
+                return orig(envs)
+            draft.handle_batch = counted
+            puts.clear()
+            offloaded = await run_all(eng, prompts, params, stagger=0)
+            wakes, captured = dict(calls), list(puts)
+            eng.bus.publish("test", [ReloadDraft(reason="test")])
+            await wait_state(eng, "RESIDENT")
+            drafted = eng.stats.draft_tokens
+            again = await run_all(eng, prompts[:2], params, stagger=0)
+            await wait_for(lambda: eng.stats.draft_tokens > drafted, what="drafting after the reload")
+            await pool_settled(eng)
+            assert_pool_clean(eng)
+            return offloaded, again, wakes, captured, eng.stats.steps
+    offloaded, again, wakes, captured, steps = asyncio.run(main())
+    assert offloaded == ref and again == ref[:2]
+    assert captured == []
+    assert wakes["draft"] <= len(prompts) + 1, (wakes, steps)      # 15 when every prompt chunk woke it
+    assert wakes["prefill_steps_seen"] >= len(prompts) - 1, wakes     # the prompt chunks came, quietly

@@ -50,6 +50,10 @@ class DraftBuffers:
             del self._feats[old]
         return self._feats.pop(step, None)
 
+    def has_features(self, step: int) -> bool:
+        """Whether the verifier captured that step's features (settled once its StepVerified is published)."""
+        return step in self._feats
+
 
 class DraftExecutor(Actor):
     name: ClassVar[str] = "draft"

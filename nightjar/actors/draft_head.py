@@ -88,9 +88,11 @@ class HeadDraftExecutor(DraftExecutor):
     def stays_quiet(self, msg) -> bool:
         """A decode-only step's features are stored at the next wake-up (a drafting step, a finished request, a
         prompt), so γ = 0 decode steps run no job of the head; a prompt's features are large, so a step with a
-        prefill row wakes it."""
+        prefill row wakes it, unless the verifier captured none (the head not resident: actors/verifier.py). The
+        buffers are read, not this actor's state: a step's features are put before its StepVerified is published
+        and taken only when that message is handled, so the answer is settled at publish."""
         if isinstance(msg, StepVerified):
-            return msg.num_decode == len(msg.req_ids)
+            return msg.num_decode == len(msg.req_ids) or not self.buffers.has_features(msg.step)
         return super().stays_quiet(msg)
 
     def handle(self, msg, now):

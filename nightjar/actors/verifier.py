@@ -35,6 +35,7 @@ from nightjar.actors.stops import first_stop, max_len_of, stop_ids_of
 from nightjar.kernel.actor import Actor
 from nightjar.kernel.messages import (
     BlocksReserved,
+    DraftResidency,
     RequestAdmitted,
     StepDrafted,
     StepScheduled,
@@ -53,6 +54,7 @@ class RunAhead:
     chunks: tuple[tuple[int, ...], ...]
     tables: tuple[tuple[int, ...], ...]      # each row's blocks up to the one its position lies in
     generation: int = 0                       # the cache's block layout it was planned on
+    capture: tuple[int, ...] = ()             # the layers whose features it captures (the head resident)
     tokens: list[int] | None = None           # its greedy tokens, one per row, once run
     feats: Any = None                         # captured target features (a draft head's), once run
     time_s: float = 0.0
@@ -72,8 +74,8 @@ class SiblingRows:
 
 class Verifier(Actor):
     name: ClassVar[str] = "verifier"
-    subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved, StepDrafted)
-    quiet = (RequestAdmitted, TokensCommitted, StepScheduled)     # bookkeeping: done in the step's forward job
+    subscribes = (RequestAdmitted, TokensCommitted, StepScheduled, BlocksReserved, StepDrafted, DraftResidency)
+    quiet = (RequestAdmitted, TokensCommitted, StepScheduled, DraftResidency)   # bookkeeping: in the forward job
     blocking = True
 
     def __init__(self, model, cache, block_size: int, buffers: DraftBuffers, seed: int,
@@ -86,6 +88,7 @@ class Verifier(Actor):
         self.ahead_used = self.ahead_dropped = 0
         self.drafts_relayed = 0                     # StepDrafted handed over by the draft executor (accepts_relay)
         self.capture = capture                      # target layers a draft head reads (models/eagle.py)
+        self.draft_resident = True                  # DraftResidency: no features are captured for an absent head
         self.synthetic = synthetic_acceptance       # like vLLM's synthetic rejection sampler: NOT lossless
         self.synth_gen = torch.Generator(device=model.device).manual_seed(seed) if synthetic_acceptance else None
         self.model, self.cache, self.block_size, self.buffers = model, cache, block_size, buffers
@@ -111,6 +114,8 @@ class Verifier(Actor):
         if self.mirrors.observe(msg) is not None:
             return None
         match msg:
+            case DraftResidency():
+                self.draft_resident = msg.resident
             case StepScheduled():
                 self.sched, self.reserved = msg, None
             case BlocksReserved() if self.sched and msg.step == self.sched.step:
@@ -120,6 +125,12 @@ class Verifier(Actor):
             case StepDrafted() if self.reserved and msg.step == self.sched.step:
                 return self._verify(msg)
         return None
+
+    def _capture(self, drafting: bool) -> tuple[int, ...]:
+        """The layers to capture: a head's, while it is resident or its drafts are verified. An offloaded head
+        stores no features (actors/draft_head.py), so none are captured for it and its StepVerified stays
+        quiet (no compute-thread job of the head per prompt-chunk step)."""
+        return self.capture if self.draft_resident or drafting else ()
 
     def _rows(self, drafted: StepDrafted | None):
         """Chunks fed to the target, their start positions and the number of logits rows of each."""
@@ -153,10 +164,11 @@ class Verifier(Actor):
             self.cache.copy_blocks(sib.copies)
             fed = chunks + [[self.sched.chunk_ids[r][0], t] for r, t in zip(sib.rows, sib.tokens)]
             starts, tables, flog = starts + sib.starts, tables + sib.tables, nlog + [1] * len(sib.rows)
+        capture = self._capture(drafted is not None)
         logits = run_chunks(self.model, self.cache, self.block_size, fed, starts, tables, flog,
-                            self.capture)                                                 # [N, V]
+                            capture)                                                      # [N, V]
         feats = None
-        if self.capture:
+        if capture:
             logits, feats = logits                                                        # feats [T, nF*H]
         probs_q = self.buffers.take(drafted.handle) if drafted else {}
         toks, acc = self._decide_tokens(logits, nlog, drafts, probs_q, drafted.gamma if drafted else 0)
@@ -248,7 +260,8 @@ class Verifier(Actor):
             tables.append(table[:k])
         if not ids:
             return None
-        return RunAhead(s.step + 1, tuple(ids), tuple(starts), tuple(chunks), tuple(tables), self.cache.generation)
+        return RunAhead(s.step + 1, tuple(ids), tuple(starts), tuple(chunks), tuple(tables), self.cache.generation,
+                        self._capture(False))
 
     def _stops(self, m, tok: int) -> bool:
         """Does the request stop at ``tok`` (the batcher's rule, actors/stops.py)?"""
@@ -267,8 +280,8 @@ class Verifier(Actor):
                 if self.cache.generation != a.generation:       # a shrink moved blocks since: not run
                     return
                 out = run_chunks(self.model, self.cache, self.block_size, [list(c) for c in a.chunks],
-                                 list(a.starts), list(a.tables), [1] * len(a.chunks), self.capture)
-            if self.capture:
+                                 list(a.starts), list(a.tables), [1] * len(a.chunks), a.capture)
+            if a.capture:
                 out, a.feats = out                                                         # feats [B, nF*H]
             a.tokens = argmax_last(out).tolist()                                           # out [B, V]
             a.time_s = time.perf_counter() - t0
@@ -286,7 +299,7 @@ class Verifier(Actor):
     def _from_ahead(self, a: RunAhead):
         """This step's results from its run-ahead forward, and maybe the next run-ahead."""
         s = self.sched
-        if self.capture:
+        if a.feats is not None:
             self.buffers.put_features(s.step, a.feats, (1,) * len(a.req_ids))
         toks = [[t] for t in a.tokens]
         return self._results(toks, [0] * len(toks), None, a.time_s, self._start_ahead(toks))
