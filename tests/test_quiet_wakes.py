@@ -72,7 +72,7 @@ def test_an_offloaded_head_gets_no_features_and_no_job_per_prompt_chunk(make_eng
     a prompt chunk leaves the head quiet: it wakes about once per finished request, not for every prompt chunk
     as well. Tokens stay `off`'s; after a reload the head drafts again."""
     from nightjar.actors.draft import DraftBuffers
-    from nightjar.kernel.messages import OffloadDraft, ReloadDraft
+    from nightjar.kernel.messages import OffloadDraft, ReloadDraft, StepVerified
     from tests.test_elastic import wait_for, wait_state
 
     prompts = prompts_of_mixed_length(smol_tokenizer, 10)
@@ -93,7 +93,7 @@ def test_an_offloaded_head_gets_no_features_and_no_job_per_prompt_chunk(make_eng
 
             def counted(envs):
                 calls["draft"] += 1
-                calls["prefill_steps_seen"] += sum(1 for e in envs if type(e.msg).__name__ == "StepVerified"
+                calls["prefill_steps_seen"] += sum(1 for e in envs if isinstance(e.msg, StepVerified)
                                                    and e.msg.num_decode < len(e.msg.req_ids))
                 return orig(envs)
             draft.handle_batch = counted

@@ -13,7 +13,8 @@ Quiet messages: an actor may name subscribed types (``quiet``) that do not wake 
 says so (by default always): they wait in its mailbox and are handled, in order, with the next message that
 wakes it. Only for messages whose handling outputs nothing and whose effect no one needs before a waking
 message comes: each wake-up is a task switch, and for a blocking actor a job on the compute thread.
-``stays_quiet`` runs on the event loop at publish, so a blocking actor's may read only the message.
+``stays_quiet`` runs on the event loop at publish, so a blocking actor's may read only the message and
+state settled before it was published (the head executor's reads whether the verifier put the step's features).
 
 Crash-only: an exception in ``handle`` ends the actor's task, and the supervisor stops the engine.
 """
