@@ -12,6 +12,8 @@ from nightjar.models.eagle import DraftHead, HeadConfig, load_head
 from nightjar.training.eagle import (
     PickedLogProbs,
     TrainSetup,
+    _bucketed_order,
+    _epoch_order,
     batch_loss,
     bf16_copy,
     build_cache,
@@ -135,6 +137,21 @@ def test_vocabulary_is_the_most_frequent_ids_sorted_and_maps_both_ways():
     assert t2d.tolist() == [0, -1, 1, -1, 2, -1, 3, -1]
     head = init_head(HeadConfig.for_target(tiny_config(vocab=8, hidden=16, layers=2), 4), torch.randn(8, 16), d2t, 0)
     assert head.to_target_ids(torch.tensor([3, 1])).tolist() == [6, 2]
+
+
+def test_a_bucketed_epoch_is_whole_batches_of_distinct_rows_with_less_padding_than_a_random_one():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(20, 400, (1000,), generator=g).tolist()
+    order = _bucketed_order(lengths, seed=3, epoch=2, batch=8)
+    assert order == _bucketed_order(lengths, seed=3, epoch=2, batch=8)              # a resumed epoch repeats it
+    assert len(order) % 8 == 0 and len(set(order)) == len(order) >= 1000 - 8
+    assert order != _bucketed_order(lengths, seed=3, epoch=3, batch=8)
+
+    def padded(o):
+        return sum(8 * max(lengths[r] for r in o[i: i + 8]) for i in range(0, len(o) - 7, 8))
+    plain = _epoch_order(1000, 3, 2)[: len(order)]
+    assert padded(order) < 0.8 * padded(plain)
+    assert abs(sum(lengths[r] for r in order[: len(order) // 2]) / sum(lengths[r] for r in order) - 0.5) < 0.1
 
 
 def _setup(target, tmp_path, vocab=40):
