@@ -3,9 +3,10 @@
 
 1. Cache: a dense bf16 forward of the frozen target over prompt+answer of every corpus record stores the
    raw residual stream after ``hc.feature_layers`` (bf16) and the target's top-k next-token distribution
-   per position (memmaps under DIR/cache, written chunk by chunk: a stopped run resumes).
-2. Vocabulary: the ``--vocab`` target ids the target predicts most often (its argmax at the trained
-   positions of the training split) form the draft vocabulary (``head.d2t``, sorted by id).
+   per position (memmaps under DIR/cache), all of it before training starts (so ``--minutes`` is all
+   training), shortest records first, saved every minute: a stopped run resumes.
+2. Vocabulary: the ``--vocab`` most frequent tokens of the training split's answers (the target's own
+   outputs) form the draft vocabulary (``head.d2t``, sorted by id).
 3. Standardisation: per-dimension mean/std of the raw features over ~50k training tokens -> the head's
    ``feat_shift``/``feat_scale`` buffers.
 4. Training-time test (EAGLE-3): K unrolled steps; step j >= 1 feeds the head's own previous output
@@ -65,7 +66,7 @@ def dense_target(model: LlamaModel, ids: torch.Tensor, layers: tuple[int, ...]):
 
 @dataclass
 class FeatureCache:
-    """Per-token arrays of the whole corpus, record after record (memmaps under ``dir``), filled lazily:
+    """Per-token arrays of the whole corpus, record after record (memmaps under ``dir``), filled by record:
     ``cached[r]`` says whether record r's rows hold the target's outputs yet (saved by ``save_flags``)."""
 
     dir: Path
@@ -121,6 +122,8 @@ def open_cache(d: Path, records: list[dict], layers: tuple[int, ...], hidden: in
     arr = {name: np.memmap(d / f"{name}.bin", dtype=dt, mode="r+" if reuse else "w+", shape=shape)
            for name, (dt, shape) in spec.items()}
     (d / "meta.json").write_text(json.dumps(meta))
+    if not reuse:
+        (d / "fill.json").unlink(missing_ok=True)
     cached = np.load(d / "cached.npy") if reuse else np.zeros(len(records), dtype=bool)
     offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     return FeatureCache(dir=d, offsets=offsets, lengths=lengths, prompt_lens=plen, cached=cached, meta=meta, **arr)
@@ -142,14 +145,41 @@ def ensure_cached(model: LlamaModel, cache: FeatureCache, records: list[dict], r
     return ran
 
 
+def fill_cache(model: LlamaModel, cache: FeatureCache, records: list[dict], log=print, chunk: int = 256,
+               flag_seconds: float = 60.0) -> int:
+    """Every record not cached yet, shortest first (groups pad little), ``chunk`` records at a time; which
+    records are done is saved at least every ``flag_seconds`` (a stop loses at most that much work) and the
+    time spent adds up in ``fill.json`` across resumed runs. Returns the tokens the target ran."""
+    todo = sorted(np.flatnonzero(~cache.cached).tolist(), key=lambda r: int(cache.lengths[r]))
+    total, ran, t0 = int(cache.lengths[todo].sum()) if todo else 0, 0, time.time()
+    last, ran_last = t0, 0
+    for i in range(0, len(todo), chunk):
+        ran += ensure_cached(model, cache, records, todo[i: i + chunk])
+        if time.time() - last >= flag_seconds or i + chunk >= len(todo):
+            cache.save_flags()
+            _add_fill(cache, time.time() - last, ran - ran_last)
+            last, ran_last, rate = time.time(), ran, ran / max(1e-9, time.time() - t0)
+            log(f"cache: {ran}/{total} tokens ({rate:.0f} tok/s, {(total - ran) / max(rate, 1e-9) / 60:.1f} min left)")
+    return ran
+
+
+def fill_stats(cache: FeatureCache) -> dict:
+    """{"seconds", "tokens"}: what the target spent filling ``cache`` so far, over all runs (zeros at first)."""
+    path = cache.dir / "fill.json"
+    return json.loads(path.read_text()) if path.exists() else {"seconds": 0.0, "tokens": 0}
+
+
+def _add_fill(cache: FeatureCache, seconds: float, tokens: int) -> None:
+    done = fill_stats(cache)
+    (cache.dir / "fill.json").write_text(json.dumps({"seconds": done["seconds"] + seconds,
+                                                     "tokens": done["tokens"] + tokens}))
+
+
 def build_cache(model: LlamaModel, records: list[dict], layers: tuple[int, ...], d: Path, k: int = TOPK,
                 log=print) -> FeatureCache:
     """The whole cache at once (resuming what a previous call left)."""
     cache = open_cache(d, records, layers, model.cfg.hidden_size, k)
-    t0 = time.time()
-    ran = ensure_cached(model, cache, records, list(range(len(records))))
-    cache.save_flags()
-    log(f"cache: {len(records)} records ({ran / max(1e-9, time.time() - t0):.0f} tok/s)")
+    fill_cache(model, cache, records, log)
     return cache
 
 
@@ -568,7 +598,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="output dir (head, model card, checkpoint, feature cache)")
     ap.add_argument("--cache", default=None, help="feature cache dir (default OUT/cache)")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--minutes", type=float, default=50.0, help="training wall-time budget (after caching)")
+    ap.add_argument("--minutes", type=float, default=50.0, help="training wall-time budget (after the cache is filled)")
     ap.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size")
     ap.add_argument("--ttt", type=int, default=4, help="unrolled training-time-test steps")
     ap.add_argument("--seed", type=int, default=0)
@@ -597,7 +627,7 @@ def main(argv=None) -> None:
 
 
 def prepare(a, out: Path, log):
-    """Target -> (lazily filled) feature cache -> vocabulary -> initialised, standardised head + setup."""
+    """Target -> feature cache (filled first) -> vocabulary -> initialised, standardised head + setup."""
     from nightjar.models import load_model
 
     target = load_model(a.model, dtype="bfloat16", pack=False).model
@@ -623,16 +653,13 @@ def prepare(a, out: Path, log):
     head = init_head(hc0, target.lm_head.weight.detach(), d2t, a.seed)
     setup = TrainSetup(cache, train_rows, val_rows, target.embed_tokens.weight.detach(), target_to_draft(d2t, V),
                        target, records)
+    fill_cache(target, cache, records, log)
     first = [train_rows[i] for i in _epoch_order(len(train_rows), a.seed, 0)]
     first = first[: int(np.searchsorted(np.cumsum(cache.lengths[first]), 50_000)) + 1]
-    t0 = time.time()
-    ran = setup.ready(first)
-    cache.save_flags()
-    log(f"standardisation over {len(first)} records; the target ran {ran} tokens in {time.time() - t0:.0f}s")
     set_standardisation(head, cache, first)
     info = {"lines": lines, "records": len(records), "train_records": len(train_rows), "val_records": len(val_rows),
             "tokens": int(cache.lengths.sum()), "answer_tokens": sum(len(r["answer_ids"]) for r in records),
-            "prompts": len({r["id"] for r in records}), "coverage": cov}
+            "prompts": len({r["id"] for r in records}), "coverage": cov, "fill": fill_stats(cache)}
     return head, setup, info
 
 
@@ -672,9 +699,8 @@ with `nightjar/training/eagle.py`.
                                                            if a.drop_oov else ''}.
 - Training: {state['step']} steps of AdamW (batch {a.batch} answers, lr {a.lr:g}, warm-up then cosine over
   {a.minutes:g} min, grad clip 1.0; forward and backward on a bf16 copy, AdamW on fp32 master weights),
-  {state['epoch']} full epochs, {state['elapsed'] / 60:.1f} min on
-  2 CPU cores (the target's forwards for the cache included: it ran {state.get('target_tokens', 0)} tokens while
-  training; the cache is filled on first use); final training loss
+  {state['epoch']} full epochs, {state['elapsed'] / 60:.1f} min on 2 CPU cores, after the target's forwards filled
+  the feature cache ({info['fill']['tokens']} tokens in {info['fill']['seconds'] / 60:.1f} min); final training loss
   {sum(last) / max(1, len(last)):.3f} (mean of the last 50 steps); kept the weights of step {state['best_step']}
   (best validation accepted-per-round estimate).
 - Validation (first {min(128, info['val_records'])} validation answers, teacher forced): top-1 agreement of the head

@@ -20,6 +20,8 @@ from nightjar.training.eagle import (
     collate,
     coverage,
     dense_target,
+    fill_cache,
+    fill_stats,
     init_head,
     open_cache,
     read_corpus,
@@ -90,6 +92,36 @@ def test_head_position_p_reads_x_p_plus_1_and_is_labelled_with_the_target_at_p_p
         # greedy answers: the target's argmax at p+1 is exactly the token the head must predict, x_{p+2}
         assert [int(b.lab_ids[row, p, 0]) for p in trained] == x[Lp: S]
     assert not b.mask[0, len(recs[0]["prompt_ids"] + recs[0]["answer_ids"]) - 1:].any()   # padding
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_stopped_cache_fill_resumes_where_it_left_and_counts_every_token_once(tmp_path):
+    target, d = tiny_target(), tmp_path / "cache"
+    recs = greedy_records(target, n=6)
+
+    def stop_after_first(msg):
+        raise _Stop(msg)
+    cache = open_cache(d, recs, LAYERS, 32, k=4)
+    try:
+        fill_cache(target, cache, recs, log=stop_after_first, chunk=2, flag_seconds=0.0)
+    except _Stop:
+        pass
+    assert sorted(open_cache(d, recs, LAYERS, 32, k=4).cached.nonzero()[0].tolist()) == [0, 1]   # shortest
+    logs = []
+    cache = open_cache(d, recs, LAYERS, 32, k=4)
+    ran = fill_cache(target, cache, recs, log=logs.append, chunk=2, flag_seconds=0.0)
+    assert cache.cached.all() and ran == int(cache.lengths[2:].sum()) and len(logs) == 2
+    assert fill_stats(cache)["tokens"] == int(cache.lengths.sum()) and fill_stats(cache)["seconds"] > 0
+    fresh = build_cache(target, recs, LAYERS, tmp_path / "fresh", k=4, log=lambda s: None)
+    assert (cache.tokens == fresh.tokens).all() and (cache.topk_ids == fresh.topk_ids).all()
+    torch.testing.assert_close(torch.from_numpy(cache.feats[:]).view(torch.bfloat16),   # other padding: not bit-equal
+                               torch.from_numpy(fresh.feats[:]).view(torch.bfloat16), atol=1e-2, rtol=1e-2)
+    assert fill_cache(target, cache, recs, log=logs.append) == 0 and len(logs) == 2
+    open_cache(d, recs[:5], LAYERS, 32, k=4)                                  # another corpus: a new cache
+    assert fill_stats(open_cache(d, recs[:5], LAYERS, 32, k=4))["tokens"] == 0
 
 
 def random_head(target, vocab=40, seed=1) -> DraftHead:
