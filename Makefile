@@ -38,7 +38,8 @@ bench: $(STAMP)
 	$(PY) -m nightjar bench serve --launch --policy nightjar --trace spike --output-json bench.json --plot bench.png
 
 # The draft head for the default target, from scratch, resumable (rerun after a stop): the target's answers to
-# the training prompts (~1.7M tokens, 42-55 min here), then EAGLE-3-style training (80 min).
+# the training prompts (~1.7M tokens, 42-55 min here), then the target's features of them (~30 min), then
+# EAGLE-3-style training (80 min).
 # Outputs under TRAIN_DIR, never in the repo.
 TRAIN_DIR ?= .distill/head
 HEAD_MINUTES ?= 80
