@@ -151,8 +151,8 @@ def fill_cache(model: LlamaModel, cache: FeatureCache, records: list[dict], log=
     records are done is saved at least every ``flag_seconds`` (a stop loses at most that much work) and the
     time spent adds up in ``fill.json`` across resumed runs. Returns the tokens the target ran."""
     todo = sorted(np.flatnonzero(~cache.cached).tolist(), key=lambda r: int(cache.lengths[r]))
-    total, ran, t0 = int(cache.lengths[todo].sum()) if todo else 0, 0, time.time()
-    last, ran_last = t0, 0
+    total, ran, ran_last = int(cache.lengths[todo].sum()), 0, 0
+    t0 = last = time.time()
     for i in range(0, len(todo), chunk):
         ran += ensure_cached(model, cache, records, todo[i: i + chunk])
         if time.time() - last >= flag_seconds or i + chunk >= len(todo):

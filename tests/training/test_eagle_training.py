@@ -120,8 +120,7 @@ def test_a_stopped_cache_fill_resumes_where_it_left_and_counts_every_token_once(
     torch.testing.assert_close(torch.from_numpy(cache.feats[:]).view(torch.bfloat16),   # other padding: not bit-equal
                                torch.from_numpy(fresh.feats[:]).view(torch.bfloat16), atol=1e-2, rtol=1e-2)
     assert fill_cache(target, cache, recs, log=logs.append) == 0 and len(logs) == 2
-    open_cache(d, recs[:5], LAYERS, 32, k=4)                                  # another corpus: a new cache
-    assert fill_stats(open_cache(d, recs[:5], LAYERS, 32, k=4))["tokens"] == 0
+    assert fill_stats(open_cache(d, recs[:5], LAYERS, 32, k=4))["tokens"] == 0   # another corpus: a new cache
 
 
 def random_head(target, vocab=40, seed=1) -> DraftHead:
