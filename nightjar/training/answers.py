@@ -4,7 +4,9 @@ A static-batch generator outside the serving engine: jobs sorted by prompt lengt
 batches, one dense KV cache per layer ``[B, nkv, S_max, d]``, the whole batch prefilled at once and then
 decoded one token per step. Rows that finish (an EOS id, kept in the answer as the engine keeps it, or
 ``max_new`` tokens) are dropped from the batch (cache included) once enough of them have finished.
-Writes the records distill.py's corpus uses (without the teacher top-k), resumably, chunk by chunk.
+Writes the records distill.py's corpus uses (without the teacher top-k), resumably, chunk by chunk; with
+``--features DIR`` also the target's features and top-k of every record into a head-training feature cache
+(training/eagle.py ``CacheWriter``), so that head training does not run the target over the corpus again.
 """
 from __future__ import annotations
 
@@ -68,9 +70,10 @@ def _attend(q, k, v, allowed) -> torch.Tensor:
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=allowed).view(B, nh, Q, d)
 
 
-def _forward(model: LlamaModel, st: _Batch, ids, pos, start: int, allowed) -> torch.Tensor:
+def _forward(model: LlamaModel, st: _Batch, ids, pos, start: int, allowed, layers: tuple[int, ...] = ()):
     """Run tokens ids [B, Q] at positions pos [B, Q], writing cache slots start..start+Q; attention over
-    slots [0, start+Q) where ``allowed`` [B, 1, Q, start+Q]. Returns the last token's logits [B, V] (fp32)."""
+    slots [0, start+Q) where ``allowed`` [B, 1, Q, start+Q]. Returns the last token's logits [B, V] (fp32)
+    and, with ``layers``, the raw residual stream after them [B, Q, nF*H] (else None)."""
     c = model.cfg
     B, Q = ids.shape
     end = start + Q
@@ -78,6 +81,7 @@ def _forward(model: LlamaModel, st: _Batch, ids, pos, start: int, allowed) -> to
     cos, sin = model.rope(pos.reshape(-1))                                        # [B*Q, 1, d]
     cos, sin = cos.view(B, Q, 1, -1), sin.view(B, Q, 1, -1)                       # [B, Q, 1, d]
     allowed = allowed.expand(B, 1, Q, end).repeat(1, 1, c.num_heads // c.num_kv_heads, 1)     # [B, 1, g*Q, end]
+    kept = []
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
         q, k, v = a.qkv(layer.input_layernorm(x))
@@ -88,7 +92,10 @@ def _forward(model: LlamaModel, st: _Batch, ids, pos, start: int, allowed) -> to
         o = _attend(q.transpose(1, 2), st.k[i][:, :, :end], st.v[i][:, :, :end], allowed)   # [B, nh, Q, d]
         x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, c.q_size))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(model.norm(x[:, -1])).float()                            # [B, V]
+        if i in layers:
+            kept.append(x)
+    feats = torch.cat(kept, dim=-1) if kept else None                             # [B, Q, nF*H]
+    return model.lm_head(model.norm(x[:, -1])).float(), feats                    # [B, V]
 
 
 def _pick(logits: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
@@ -122,21 +129,47 @@ def _sample(logits: torch.Tensor, gens: list[torch.Generator], candidates: int =
     return out
 
 
+class _Capture:
+    """What the target computed for one static batch, kept per job (``answers.py --features``): the features of
+    every position run and the top-k of the logits each answer token was picked from."""
+
+    def __init__(self, st: _Batch, prompts: list[list[int]], feats, max_new: int, k: int):
+        B, L = len(prompts), st.L
+        self.prompt = [feats[b, L - len(p):] for b, p in enumerate(prompts)]      # [Lp, F] each
+        self.dec = feats.new_zeros((B, max_new, feats.shape[-1]))                  # [B, T, F]: answer token t's
+        self.top_i = torch.zeros((B, max_new, k), dtype=torch.int64)               # [B, T, k]: picking token t
+        self.top_l = torch.zeros((B, max_new, k))
+        self.k = k
+
+    def topk(self, alive: list[int], t: int, logits) -> None:
+        top = logits.log_softmax(-1).topk(self.k, dim=-1)                          # [B', k]
+        self.top_i[alive, t], self.top_l[alive, t] = top.indices, top.values
+
+    def record(self, j: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Job j's answer of n tokens: (features of positions 0..Lp+n-2, top-k ids and log-probs [n, k])."""
+        return torch.cat([self.prompt[j], self.dec[j, : n - 1]]), self.top_i[j, :n].clone(), self.top_l[j, :n].clone()
+
+
 @torch.inference_mode()
-def _generate_batch(model: LlamaModel, jobs, max_new: int, compact: float) -> list[list[int]]:
-    """Answers for one batch of (prompt_ids, sampling) jobs, in order."""
+def _generate_batch(model: LlamaModel, jobs, max_new: int, compact: float, layers: tuple[int, ...] = (),
+                    k: int = 16) -> tuple[list[list[int]], _Capture | None]:
+    """Answers for one batch of (prompt_ids, sampling) jobs, in order, and with ``layers`` what the target
+    computed for them (``_Capture``)."""
     eos = torch.tensor(sorted(model.cfg.eos_token_ids) or [-1])
     st = _Batch(model, [p for p, _ in jobs], max_new)
     gens = [row_generator(p, s["variant"]) for p, s in jobs]
     L = st.L
     causal = torch.ones((L, L), dtype=torch.bool).tril()                          # [L, L]
     allowed = (causal & st.valid[:, None, :L]) | torch.eye(L, dtype=torch.bool)   # [B, L, L]: pads see themselves
-    logits = _forward(model, st, st.ids, st.pos, 0, allowed[:, None])             # [B, V]
+    logits, feats = _forward(model, st, st.ids, st.pos, 0, allowed[:, None], layers)   # [B, V], [B, L, F]
+    cap = _Capture(st, [p for p, _ in jobs], feats, max_new, k) if layers else None
     nxt = st.pos[:, -1] + 1                                                       # [B] next position
     answers: list[list[int]] = [[] for _ in jobs]
     alive = list(range(len(jobs)))                                                # job index of each batch row
     finished = torch.zeros(len(jobs), dtype=torch.bool)                           # [B] rows already complete
     for t in range(max_new):
+        if cap is not None:
+            cap.topk(alive, t, logits)
         tok = _pick(logits, [gens[j] for j in alive])                             # [B]
         for r, j in enumerate(alive):
             answers[j].append(int(tok[r]))
@@ -149,9 +182,11 @@ def _generate_batch(model: LlamaModel, jobs, max_new: int, compact: float) -> li
             alive = [alive[r] for r in rows.tolist()]
             tok, nxt, finished = tok[rows], nxt[rows], finished[rows]
         allowed = st.valid[:, None, None, : L + t + 1]                            # [B, 1, 1, L+t+1]
-        logits = _forward(model, st, tok[:, None], nxt[:, None], L + t, allowed)  # [B, V]
+        logits, feats = _forward(model, st, tok[:, None], nxt[:, None], L + t, allowed, layers)   # [B, V]
+        if cap is not None:
+            cap.dec[alive, t] = feats[:, 0]
         nxt = nxt + 1
-    return [a[: _stop(a, eos)] for a in answers]
+    return [a[: _stop(a, eos)] for a in answers], cap
 
 
 def _stop(ans: list[int], eos: torch.Tensor) -> int:
@@ -161,18 +196,21 @@ def _stop(ans: list[int], eos: torch.Tensor) -> int:
 
 
 def generate_answers(model: LlamaModel, jobs, batch: int = 64, max_new: int = 128, log=print,
-                     compact: float = 0.25) -> list[dict]:
+                     compact: float = 0.25, layers: tuple[int, ...] = (), k: int = 16) -> list[dict]:
     """Answers to ``jobs`` = [(prompt_ids, {"variant": "greedy" | "s<seed>"})], in input order, as
-    {"variant", "prompt_ids", "answer_ids"}. Jobs run in batches of ``batch`` sorted by prompt length; a
-    batch drops its finished rows when at least ``compact`` of the live rows are done."""
+    {"variant", "prompt_ids", "answer_ids"} (with ``layers``, "capture": ``_Capture.record``'s tensors too).
+    Jobs run in batches of ``batch`` sorted by prompt length; a batch drops its finished rows when at least
+    ``compact`` of the live rows are done."""
     order = sorted(range(len(jobs)), key=lambda j: len(jobs[j][0]))
     out: list[dict | None] = [None] * len(jobs)
     for i in range(0, len(order), batch):
         t0 = time.time()
         idx = order[i: i + batch]
-        answers = _generate_batch(model, [jobs[j] for j in idx], max_new, compact)
-        for j, a in zip(idx, answers):
+        answers, cap = _generate_batch(model, [jobs[j] for j in idx], max_new, compact, layers, k)
+        for b, (j, a) in enumerate(zip(idx, answers)):
             out[j] = {"variant": jobs[j][1]["variant"], "prompt_ids": list(jobs[j][0]), "answer_ids": a}
+            if cap is not None:
+                out[j]["capture"] = cap.record(b, len(a))
         n = sum(len(a) for a in answers)
         log(f"answers: batch {i // batch + 1}/{-(-len(order) // batch)}: {len(idx)} jobs, {n} tokens "
             f"in {time.time() - t0:.1f}s ({n / max(1e-9, time.time() - t0):.0f} tok/s)")
@@ -180,28 +218,51 @@ def generate_answers(model: LlamaModel, jobs, batch: int = 64, max_new: int = 12
 
 
 def build_answers(model: LlamaModel, jobs_with_ids, path: Path, chunk: int = 512, batch: int = 64,
-                  max_new: int = 128, log=print) -> list[dict]:
+                  max_new: int = 128, log=print, features: Path | None = None) -> list[dict]:
     """Append {"id", "variant", "prompt_ids", "answer_ids"} records for jobs = [(id, prompt_ids, sampling)]
     to ``path`` chunk by chunk; (id, variant) pairs already in the file are skipped, so a stopped run
-    resumes. Pending jobs go in prompt-length order so each chunk's batches pad little."""
+    resumes. Pending jobs go in prompt-length order so each chunk's batches pad little. With ``features`` (a
+    feature cache directory, training/eagle.py) the target's features and top-k of each record go there as
+    it is generated (``CacheWriter``), so head training need not run the target over the corpus again."""
     have = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     done = {(r["id"], r["variant"]) for r in have}
     todo = sorted((j for j in jobs_with_ids if (j[0], j[2]["variant"]) not in done), key=lambda j: len(j[1]))
     log(f"answers: {len(have)} on disk, {len(todo)} to generate")
+    writer = _writer(model, features, have)
     t_all, n_all = time.time(), 0
     for i in range(0, len(todo), chunk):
         part = todo[i: i + chunk]
         t0 = time.time()
-        recs = generate_answers(model, [(p, s) for _, p, s in part], batch, max_new, log=log)
+        recs = generate_answers(model, [(p, s) for _, p, s in part], batch, max_new, log=log,
+                                layers=writer.layers if writer else (), k=writer.k if writer else 16)
         recs = [{"id": jid, **r} for (jid, _, _), r in zip(part, recs)]
+        for r in recs if writer else ():
+            writer.append(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"]), *r.pop("capture"))
         with path.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in recs))
         have.extend(recs)
+        if writer:
+            writer.commit(len(have))
         n = sum(len(r["answer_ids"]) for r in recs)
         n_all += n
         log(f"answers: {len(have)}/{len(done) + len(todo)} ({n} tokens in {time.time() - t0:.0f}s, "
             f"{n / max(1e-9, time.time() - t0):.0f} tok/s; overall {n_all / (time.time() - t_all):.0f} tok/s)")
+    if writer:
+        writer.close()
     return have
+
+
+def _writer(model: LlamaModel, features: Path | None, have: list[dict]):
+    """The feature cache's writer for a corpus that holds ``have`` (None without ``features``): the layers a
+    head for this target reads (``HeadConfig.for_target``), the top-k head training uses."""
+    if features is None:
+        return None
+    from nightjar.models.eagle import HeadConfig
+    from nightjar.training.eagle import TOPK, CacheWriter
+
+    layers = HeadConfig.for_target(model.cfg, 1).feature_layers
+    return CacheWriter(Path(features), [r for r in have if r["answer_ids"]], len(have), layers,
+                       model.cfg.hidden_size, TOPK)
 
 
 def main(argv=None) -> None:
@@ -218,6 +279,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--limit", type=int, default=None, help="only the first N jobs")
+    ap.add_argument("--features", default=None,
+                    help="a feature cache dir (training/eagle.py --cache) to fill as the answers are generated")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is faster on cores shared with other busy processes)")
     a = ap.parse_args(argv)
@@ -230,7 +293,7 @@ def main(argv=None) -> None:
            for p, v in jobs]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log)
+    build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log, Path(a.features) if a.features else None)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Train an EAGLE-3-style draft head (nightjar/models/eagle.py) for the default target on CPU:
 ``python -m nightjar.training.eagle --corpus answers.jsonl --out DIR --minutes 50``.
 
-1. Cache: a dense bf16 forward of the frozen target over prompt+answer of every corpus record stores the
-   raw residual stream after ``hc.feature_layers`` (bf16) and the target's top-k next-token distribution
-   per position (memmaps under DIR/cache), all of it before training starts (so ``--minutes`` is all
+1. Cache: the raw residual stream of the frozen target after ``hc.feature_layers`` (bf16) and its top-k
+   next-token distribution per position of every corpus record (memmaps under DIR/cache). Captured while
+   the answers were generated (``answers.py --features``, ``CacheWriter``), else a dense bf16 forward of
+   the target over prompt+answer fills them, all before training starts (so ``--minutes`` is all
    training), shortest records first, saved every minute: a stopped run resumes.
 2. Vocabulary: the ``--vocab`` most frequent tokens of the training split's answers (the target's own
    outputs) form the draft vocabulary (``head.d2t``, sorted by id).
@@ -124,6 +125,7 @@ def open_cache(d: Path, records: list[dict], layers: tuple[int, ...], hidden: in
     (d / "meta.json").write_text(json.dumps(meta))
     if not reuse:
         (d / "fill.json").unlink(missing_ok=True)
+        (d / "capture.json").unlink(missing_ok=True)
     cached = np.load(d / "cached.npy") if reuse else np.zeros(len(records), dtype=bool)
     offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     return FeatureCache(dir=d, offsets=offsets, lengths=lengths, prompt_lens=plen, cached=cached, meta=meta, **arr)
@@ -163,6 +165,12 @@ def fill_cache(model: LlamaModel, cache: FeatureCache, records: list[dict], log=
     return ran
 
 
+def capture_stats(d: Path) -> dict:
+    """{"tokens"}: the cache's tokens whose features were captured while their answers were generated."""
+    path = d / "capture.json"
+    return json.loads(path.read_text()) if path.exists() else {"tokens": 0}
+
+
 def fill_stats(cache: FeatureCache) -> dict:
     """{"seconds", "tokens"}: what the target spent filling ``cache`` so far, over all runs (zeros at first)."""
     path = cache.dir / "fill.json"
@@ -173,6 +181,89 @@ def _add_fill(cache: FeatureCache, seconds: float, tokens: int) -> None:
     done = fill_stats(cache)
     (cache.dir / "fill.json").write_text(json.dumps({"seconds": done["seconds"] + seconds,
                                                      "tokens": done["tokens"] + tokens}))
+
+
+class CacheWriter:
+    """Fills a feature cache while the answers are generated (``python -m nightjar.training.answers --features
+    DIR``), so that training finds it full and the target need not run over the corpus again. The cache's files
+    grow record by record in corpus order; ``commit`` makes the records written so far the cache of the corpus
+    file's lines so far (meta.json, cached.npy), which ``open_cache`` reopens once they match the corpus it
+    reads. A record's last position gets no feature and no top-k (nothing reads them: a head position's
+    features are at most the record's second-to-last, its labels at most that position's), left zero. Records
+    of the corpus without features (written before a stop, or without ``--features``) stay uncached, for
+    ``fill_cache``."""
+
+    def __init__(self, d: Path, records: list[dict], lines: int, layers: tuple[int, ...], hidden: int,
+                 k: int = TOPK) -> None:
+        """``records``/``lines``: what the corpus file holds already (``read_corpus``). What an earlier writer
+        committed for a prefix of them is kept."""
+        d.mkdir(parents=True, exist_ok=True)
+        self.dir, self.layers, self.k, self.fsize = d, tuple(layers), k, len(layers) * hidden
+        self.row = {"tokens": 4, "feats": 2 * self.fsize, "topk_ids": 4 * k, "topk_logp": 2 * k}   # bytes/token
+        self.lengths = [len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records]
+        self.lines, self.tokens = lines, sum(self.lengths)
+        n = self._committed(records, lines)
+        self.cached = (np.load(d / "cached.npy").tolist() if n else []) + [False] * (len(records) - n)
+        self.captured = capture_stats(d)["tokens"] if n else 0
+        if not n:
+            (d / "fill.json").unlink(missing_ok=True)
+        self.files = {name: open(d / f"{name}.bin", "r+b" if n else "w+b") for name in self.row}
+
+    def _committed(self, records: list[dict], lines: int) -> int:
+        """Records of an earlier commit that are a prefix of ``records`` (0: none, or another cache)."""
+        path = self.dir / "meta.json"
+        old = json.loads(path.read_text()) if path.exists() else None
+        if old is None or not (self.dir / "cached.npy").exists():
+            return 0
+        n, want = old["records"], self._meta()
+        same = all(old.get(x) == want[x] for x in ("k", "layers", "feature_size"))
+        prefix = n <= len(records) and old["lines"] <= lines and old["tokens"] == sum(self.lengths[:n])
+        return n if same and prefix else 0
+
+    def _meta(self) -> dict:
+        return {"records": len(self.lengths), "tokens": sum(self.lengths), "k": self.k, "layers": list(self.layers),
+                "feature_size": self.fsize, "lines": self.lines}
+
+    def _write(self, arrays: dict, n_tokens: int, cached: bool) -> None:
+        for name, a in arrays.items():
+            fh = self.files[name]
+            fh.seek(self.tokens * self.row[name])
+            fh.write(a.tobytes() if a is not None else bytes(self.row[name] * n_tokens))
+        self.tokens += n_tokens
+        self.lengths.append(n_tokens)
+        self.cached.append(cached)
+
+    def append(self, ids: list[int], prompt_len: int, feats: torch.Tensor | None = None,
+               topk_ids: torch.Tensor | None = None, topk_logp: torch.Tensor | None = None) -> None:
+        """One record: ``ids`` prompt + answer (S tokens), ``feats`` [S-1, nF*H] the target's features of positions
+        0..S-2, ``topk_*`` [>= S-prompt_len, k] its top-k at label positions prompt_len-1..S-2. Without
+        ``feats`` the record stays uncached (zeros in the files)."""
+        S = len(ids)
+        if feats is None:
+            self._write(dict.fromkeys(self.row), S, False)
+            return
+        lo = max(0, prompt_len - 1)
+        f = torch.zeros((S, self.fsize), dtype=torch.bfloat16)
+        f[: S - 1] = feats
+        ti, tl = torch.zeros((S, self.k), dtype=torch.int32), torch.zeros((S, self.k), dtype=torch.float16)
+        ti[lo: S - 1], tl[lo: S - 1] = topk_ids[: S - 1 - lo].int(), topk_logp[: S - 1 - lo].half()
+        self._write({"tokens": np.asarray(ids, dtype=np.int32), "feats": f.view(torch.int16).numpy(),
+                     "topk_ids": ti.numpy(), "topk_logp": tl.numpy()}, S, True)
+        self.captured += S
+
+    def commit(self, lines: int) -> None:
+        """The corpus file now holds ``lines`` lines, the records appended so far among them."""
+        self.lines = lines
+        for name, fh in self.files.items():
+            fh.truncate(self.tokens * self.row[name])
+            fh.flush()
+        np.save(self.dir / "cached.npy", np.array(self.cached, dtype=bool))
+        (self.dir / "capture.json").write_text(json.dumps({"tokens": self.captured}))
+        (self.dir / "meta.json").write_text(json.dumps(self._meta()))
+
+    def close(self) -> None:
+        for fh in self.files.values():
+            fh.close()
 
 
 def build_cache(model: LlamaModel, records: list[dict], layers: tuple[int, ...], d: Path, k: int = TOPK,
@@ -282,12 +373,13 @@ def init_head(hc: HeadConfig, target_lm_head: torch.Tensor, d2t: torch.Tensor, s
 
 def set_standardisation(head: DraftHead, cache: FeatureCache, rows: list[int], tokens: int = 50_000,
                         eps: float = 1e-3) -> None:
-    """feat_shift = per-dim mean, feat_scale = 1/(std+eps) of the raw features of ``rows`` (first ~tokens)."""
+    """feat_shift = per-dim mean, feat_scale = 1/(std+eps) of the raw features of ``rows`` (first ~tokens) at the
+    positions a head reads (all but each record's last)."""
     chunks, n = [], 0
     for r in rows:
         o, S = int(cache.offsets[r]), int(cache.lengths[r])
-        chunks.append(torch.from_numpy(np.array(cache.feats[o: o + S])).view(torch.bfloat16).double())
-        n += S
+        chunks.append(torch.from_numpy(np.array(cache.feats[o: o + S - 1])).view(torch.bfloat16).double())
+        n += S - 1
         if n >= tokens:
             break
     f = torch.cat(chunks)                                                         # [n, nF*H]
@@ -659,7 +751,8 @@ def prepare(a, out: Path, log):
     set_standardisation(head, cache, first)
     info = {"lines": lines, "records": len(records), "train_records": len(train_rows), "val_records": len(val_rows),
             "tokens": int(cache.lengths.sum()), "answer_tokens": sum(len(r["answer_ids"]) for r in records),
-            "prompts": len({r["id"] for r in records}), "coverage": cov, "fill": fill_stats(cache)}
+            "prompts": len({r["id"] for r in records}), "coverage": cov, "fill": fill_stats(cache),
+            "captured": capture_stats(cache_dir)["tokens"]}
     return head, setup, info
 
 
@@ -699,8 +792,9 @@ with `nightjar/training/eagle.py`.
                                                            if a.drop_oov else ''}.
 - Training: {state['step']} steps of AdamW (batch {a.batch} answers, lr {a.lr:g}, warm-up then cosine over
   {a.minutes:g} min, grad clip 1.0; forward and backward on a bf16 copy, AdamW on fp32 master weights),
-  {state['epoch']} full epochs, {state['elapsed'] / 60:.1f} min on 2 CPU cores, after the target's forwards filled
-  the feature cache ({info['fill']['tokens']} tokens in {info['fill']['seconds'] / 60:.1f} min); final training loss
+  {state['epoch']} full epochs, {state['elapsed'] / 60:.1f} min on 2 CPU cores, after the feature cache was full
+  ({info['captured']} tokens captured while the answers were generated, {info['fill']['tokens']} filled by the
+  target's forwards in {info['fill']['seconds'] / 60:.1f} min); final training loss
   {sum(last) / max(1, len(last)):.3f} (mean of the last 50 steps); kept the weights of step {state['best_step']}
   (best validation accepted-per-round estimate).
 - Validation (first {min(128, info['val_records'])} validation answers, teacher forced): top-1 agreement of the head

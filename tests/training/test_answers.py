@@ -87,3 +87,51 @@ def test_the_writer_appends_records_and_a_rerun_skips_finished_jobs(tmp_path):
     assert sorted((r["id"], r["variant"]) for r in lines) == sorted((j[0], j[2]["variant"]) for j in jobs)
     by_key = {(r["id"], r["variant"]): r for r in lines}
     assert all(by_key[(j, s["variant"])]["prompt_ids"] == p for j, p, s in jobs)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at(prefix: str):
+    def log(msg: str) -> None:
+        if msg.startswith(prefix):
+            raise _Stop(msg)
+    return log
+
+
+def _run(model, jobs, path, log, features=None) -> None:
+    try:
+        build_answers(model, jobs, path, chunk=3, batch=2, max_new=MAX_NEW, log=log, features=features)
+    except _Stop:
+        pass
+
+
+def test_features_captured_while_generating_equal_the_targets_fill_and_survive_stops(tmp_path):
+    """A corpus begun without features (3 records), resumed with them and stopped after its next chunk, then
+    finished: the cache holds every record, the first 3 uncached (the fill runs exactly them), and what was
+    captured equals what the target's dense forward computes over the same records."""
+    from nightjar.models.eagle import HeadConfig
+    from nightjar.training.eagle import build_cache, capture_stats, fill_cache, open_cache, read_corpus
+
+    model, path, d = tiny_target(), tmp_path / "answers.jsonl", tmp_path / "cache"
+    jobs = [(f"p{i}", p, {"variant": v}) for i, p in enumerate(prompts()) for v in ("greedy", "s7")]
+    _run(model, jobs, path, _stop_at("answers: 3/"))
+    _run(model, jobs, path, _stop_at("answers: 6/"), features=d)
+    _run(model, jobs, path, lambda s: None, features=d)
+    recs, lines = read_corpus(path)
+    layers = HeadConfig.for_target(model.cfg, 1).feature_layers
+    cache = open_cache(d, recs, layers, 32, lines=lines)
+    assert len(recs) == len(jobs) and cache.cached.tolist() == [False] * 3 + [True] * (len(jobs) - 3)
+    assert capture_stats(d)["tokens"] == int(cache.lengths[3:].sum())
+    assert fill_cache(model, cache, recs, log=lambda s: None) == int(cache.lengths[:3].sum())
+    fresh = build_cache(model, recs, layers, tmp_path / "fresh", log=lambda s: None)
+    for r in range(len(recs)):
+        o, S, lo = int(cache.offsets[r]), int(cache.lengths[r]), int(cache.prompt_lens[r]) - 1
+        assert (cache.tokens[o: o + S] == fresh.tokens[o: o + S]).all()
+        torch.testing.assert_close(torch.from_numpy(cache.feats[o: o + S - 1]).view(torch.bfloat16),
+                                   torch.from_numpy(fresh.feats[o: o + S - 1]).view(torch.bfloat16),
+                                   atol=1e-2, rtol=1e-2)
+        assert (cache.topk_ids[o + lo: o + S - 1] == fresh.topk_ids[o + lo: o + S - 1]).all()
+        torch.testing.assert_close(torch.from_numpy(cache.topk_logp[o + lo: o + S - 1]).float(),
+                                   torch.from_numpy(fresh.topk_logp[o + lo: o + S - 1]).float(), atol=2e-3, rtol=0)
