@@ -224,32 +224,25 @@ class CacheWriter:
         return {"records": len(self.lengths), "tokens": sum(self.lengths), "k": self.k, "layers": list(self.layers),
                 "feature_size": self.fsize, "lines": self.lines}
 
-    def _write(self, arrays: dict, n_tokens: int, cached: bool) -> None:
-        for name, a in arrays.items():
-            fh = self.files[name]
-            fh.seek(self.tokens * self.row[name])
-            fh.write(a.tobytes() if a is not None else bytes(self.row[name] * n_tokens))
-        self.tokens += n_tokens
-        self.lengths.append(n_tokens)
-        self.cached.append(cached)
-
-    def append(self, ids: list[int], prompt_len: int, feats: torch.Tensor | None = None,
-               topk_ids: torch.Tensor | None = None, topk_logp: torch.Tensor | None = None) -> None:
+    def append(self, ids: list[int], prompt_len: int, feats: torch.Tensor, topk_ids: torch.Tensor,
+               topk_logp: torch.Tensor) -> None:
         """One record: ``ids`` prompt + answer (S tokens), ``feats`` [S-1, nF*H] the target's features of positions
-        0..S-2, ``topk_*`` [>= S-prompt_len, k] its top-k at label positions prompt_len-1..S-2. Without
-        ``feats`` the record stays uncached (zeros in the files)."""
-        S = len(ids)
-        if feats is None:
-            self._write(dict.fromkeys(self.row), S, False)
-            return
-        lo = max(0, prompt_len - 1)
+        0..S-2, ``topk_*`` [>= S-prompt_len, k] its top-k at label positions prompt_len-1..S-2."""
+        S, lo = len(ids), max(0, prompt_len - 1)
         f = torch.zeros((S, self.fsize), dtype=torch.bfloat16)
         f[: S - 1] = feats
         ti, tl = torch.zeros((S, self.k), dtype=torch.int32), torch.zeros((S, self.k), dtype=torch.float16)
         ti[lo: S - 1], tl[lo: S - 1] = topk_ids[: S - 1 - lo].int(), topk_logp[: S - 1 - lo].half()
-        self._write({"tokens": np.asarray(ids, dtype=np.int32), "feats": f.view(torch.int16).numpy(),
-                     "topk_ids": ti.numpy(), "topk_logp": tl.numpy()}, S, True)
+        parts = {"tokens": np.asarray(ids, dtype=np.int32), "feats": f.view(torch.int16).numpy(),
+                 "topk_ids": ti.numpy(), "topk_logp": tl.numpy()}
+        for name, a in parts.items():
+            fh = self.files[name]
+            fh.seek(self.tokens * self.row[name])
+            fh.write(a.tobytes())
+        self.tokens += S
         self.captured += S
+        self.lengths.append(S)
+        self.cached.append(True)
 
     def commit(self, lines: int) -> None:
         """The corpus file now holds ``lines`` lines, the records appended so far among them."""
