@@ -137,13 +137,14 @@ class _Capture:
         B, L = len(prompts), st.L
         self.prompt = [feats[b, L - len(p):] for b, p in enumerate(prompts)]      # [Lp, F] each
         self.dec = feats.new_zeros((B, max_new, feats.shape[-1]))                  # [B, T, F]: answer token t's
-        self.top_i = torch.zeros((B, max_new, k), dtype=torch.int64)               # [B, T, k]: picking token t
-        self.top_l = torch.zeros((B, max_new, k))
+        self.top_i = torch.zeros((B, max_new, k), dtype=torch.int32)               # [B, T, k]: picking token t
+        self.top_l = torch.zeros((B, max_new, k), dtype=torch.float16)
         self.k = k
 
     def topk(self, alive: list[int], t: int, logits) -> None:
-        top = logits.log_softmax(-1).topk(self.k, dim=-1)                          # [B', k]
-        self.top_i[alive, t], self.top_l[alive, t] = top.indices, top.values
+        top = logits.topk(self.k, dim=-1)                                           # [B', k]
+        self.top_i[alive, t] = top.indices.int()
+        self.top_l[alive, t] = (top.values - logits.logsumexp(-1, keepdim=True)).half()   # log-probs
 
     def record(self, j: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Job j's answer of n tokens: (features of positions 0..Lp+n-2, top-k ids and log-probs [n, k])."""
@@ -284,6 +285,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is faster on cores shared with other busy processes)")
     a = ap.parse_args(argv)
+    if a.max_new < 1 or a.batch < 1 or a.chunk < 1:
+        ap.error("--max-new, --batch and --chunk must be >= 1")
     if a.threads:
         torch.set_num_threads(a.threads)
     log = lambda s: print(f"[answers {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731

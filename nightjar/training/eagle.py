@@ -24,6 +24,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,11 +204,17 @@ class CacheWriter:
         self.lengths = [len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records]
         self.lines, self.tokens = lines, sum(self.lengths)
         n = self._committed(records, lines)
-        self.cached = (np.load(d / "cached.npy").tolist() if n else []) + [False] * (len(records) - n)
+        self.cached = (np.load(d / "cached.npy")[:n].tolist() if n else []) + [False] * (len(records) - n)
         self.captured = capture_stats(d)["tokens"] if n else 0
-        if not n:
-            (d / "fill.json").unlink(missing_ok=True)
+        if not n:                   # another cache, or none: its description goes before its files are emptied
+            for name in ("meta.json", "cached.npy", "fill.json", "capture.json"):
+                (d / name).unlink(missing_ok=True)
         self.files = {name: open(d / f"{name}.bin", "r+b" if n else "w+b") for name in self.row}
+        rest = [np.asarray(r["prompt_ids"] + r["answer_ids"], dtype=np.int32) for r in records[n:]]
+        if rest:                    # their tokens (the next writer's prefix check reads them), no features
+            self.files["tokens"].seek(4 * sum(self.lengths[:n]))
+            self.files["tokens"].write(np.concatenate(rest).tobytes())
+        self.commit(lines)          # what the corpus holds now, without features where it has none
 
     def _committed(self, records: list[dict], lines: int) -> int:
         """Records of an earlier commit that are a prefix of ``records`` (0: none, or another cache)."""
@@ -217,8 +224,13 @@ class CacheWriter:
             return 0
         n, want = old["records"], self._meta()
         same = all(old.get(x) == want[x] for x in ("k", "layers", "feature_size"))
-        prefix = n <= len(records) and old["lines"] <= lines and old["tokens"] == sum(self.lengths[:n])
-        return n if same and prefix else 0
+        T = sum(self.lengths[:n])
+        if not (same and n <= len(records) and old["lines"] <= lines and old["tokens"] == T):
+            return 0
+        ids = np.concatenate([np.asarray(r["prompt_ids"] + r["answer_ids"], dtype=np.int32) for r in records[:n]]
+                             or [np.zeros(0, dtype=np.int32)])
+        on_disk = np.fromfile(self.dir / "tokens.bin", dtype=np.int32, count=T)
+        return n if len(on_disk) == T and (on_disk == ids).all() else 0
 
     def _meta(self) -> dict:
         return {"records": len(self.lengths), "tokens": sum(self.lengths), "k": self.k, "layers": list(self.layers),
@@ -228,7 +240,9 @@ class CacheWriter:
                topk_logp: torch.Tensor) -> None:
         """One record: ``ids`` prompt + answer (S tokens), ``feats`` [S-1, nF*H] the target's features of positions
         0..S-2, ``topk_*`` [>= S-prompt_len, k] its top-k at label positions prompt_len-1..S-2."""
-        S, lo = len(ids), max(0, prompt_len - 1)
+        if prompt_len < 1 or len(ids) <= prompt_len:
+            raise ValueError("CacheWriter: a record needs a prompt and an answer")
+        S, lo = len(ids), prompt_len - 1
         f = torch.zeros((S, self.fsize), dtype=torch.bfloat16)
         f[: S - 1] = feats
         ti, tl = torch.zeros((S, self.k), dtype=torch.int32), torch.zeros((S, self.k), dtype=torch.float16)
@@ -250,9 +264,12 @@ class CacheWriter:
         for name, fh in self.files.items():
             fh.truncate(self.tokens * self.row[name])
             fh.flush()
-        np.save(self.dir / "cached.npy", np.array(self.cached, dtype=bool))
+        with open(self.dir / "cached.tmp", "wb") as f:        # each file whole or not at all; meta last
+            np.save(f, np.array(self.cached, dtype=bool))
+        os.replace(self.dir / "cached.tmp", self.dir / "cached.npy")
         (self.dir / "capture.json").write_text(json.dumps({"tokens": self.captured}))
-        (self.dir / "meta.json").write_text(json.dumps(self._meta()))
+        (self.dir / "meta.tmp").write_text(json.dumps(self._meta()))
+        os.replace(self.dir / "meta.tmp", self.dir / "meta.json")
 
     def close(self) -> None:
         for fh in self.files.values():
@@ -719,8 +736,12 @@ def prepare(a, out: Path, log):
     hc0 = HeadConfig.for_target(target.cfg, a.vocab)
     cache_dir = Path(a.cache) if a.cache else out / "cache"
     meta = cache_dir / "meta.json"
-    records, lines = read_corpus(Path(a.corpus), json.loads(meta.read_text())["lines"] if meta.exists()
-                                 else a.max_records)
+    if (cache_dir / "capture.json").exists() and a.max_records is None:
+        records, lines = read_corpus(Path(a.corpus))      # a cache the answers' generator made: the whole corpus,
+        CacheWriter(cache_dir, records, lines, hc0.feature_layers, target.cfg.hidden_size).close()   # uncached
+    else:                                                 # where it holds no features
+        records, lines = read_corpus(Path(a.corpus), json.loads(meta.read_text())["lines"] if meta.exists()
+                                     else a.max_records)
     cache = open_cache(cache_dir, records, hc0.feature_layers, target.cfg.hidden_size, lines=lines)
     _, val_recs = split_validation(records)
     val_ids = {r["id"] for r in val_recs}

@@ -102,29 +102,43 @@ def _stop_at(prefix: str):
 
 def _run(model, jobs, path, log, features=None) -> None:
     try:
-        build_answers(model, jobs, path, chunk=3, batch=2, max_new=MAX_NEW, log=log, features=features)
+        build_answers(model, jobs, path, chunk=6, batch=6, max_new=MAX_NEW, log=log, features=features)
     except _Stop:
         pass
 
 
-def test_features_captured_while_generating_equal_the_targets_fill_and_survive_stops(tmp_path):
-    """A corpus begun without features (3 records), resumed with them and stopped after its next chunk, then
-    finished: the cache holds every record, the first 3 uncached (the fill runs exactly them), and what was
-    captured equals what the target's dense forward computes over the same records."""
+def test_features_captured_while_generating_equal_the_targets_fill_and_survive_stops(tmp_path, monkeypatch):
+    """A corpus of 15 answers in chunks of 6: begun without features (stopped after 6), resumed with them into a
+    directory holding another corpus's cache and stopped inside the third chunk's commit (records 13-15 written,
+    not committed), then rerun with nothing left to generate. The cache holds every record, the 9 without
+    features uncached (the fill runs exactly them), and what was captured equals what the target's dense
+    forward computes over the same records."""
     from nightjar.models.eagle import HeadConfig
-    from nightjar.training.eagle import build_cache, capture_stats, fill_cache, open_cache, read_corpus
+    from nightjar.training.eagle import CacheWriter, build_cache, capture_stats, fill_cache, open_cache, read_corpus
 
     model, path, d = tiny_target(), tmp_path / "answers.jsonl", tmp_path / "cache"
-    jobs = [(f"p{i}", p, {"variant": v}) for i, p in enumerate(prompts()) for v in ("greedy", "s7")]
-    _run(model, jobs, path, _stop_at("answers: 3/"))
-    _run(model, jobs, path, _stop_at("answers: 6/"), features=d)
+    jobs = [(f"p{i}", p, {"variant": v}) for i, p in enumerate(prompts()) for v in ("greedy", "s7", "s8")]
+    layers = HeadConfig.for_target(model.cfg, 1).feature_layers
+    other = [{"id": "x", "variant": "greedy", "prompt_ids": [5, 6, 7], "answer_ids": [8] * 30}]
+    build_cache(model, other, layers, d, log=lambda s: None)                    # another corpus's full cache
+    _run(model, jobs, path, _stop_at("answers: 6/"))
+    commit, calls = CacheWriter.commit, []
+
+    def stop_third(self, lines):
+        calls.append(lines)
+        if len(calls) == 3:
+            raise _Stop("in commit")
+        commit(self, lines)
+    monkeypatch.setattr(CacheWriter, "commit", stop_third)
+    _run(model, jobs, path, lambda s: None, features=d)
+    monkeypatch.setattr(CacheWriter, "commit", commit)
+    assert calls == [6, 12, 15]
     _run(model, jobs, path, lambda s: None, features=d)
     recs, lines = read_corpus(path)
-    layers = HeadConfig.for_target(model.cfg, 1).feature_layers
     cache = open_cache(d, recs, layers, 32, lines=lines)
-    assert len(recs) == len(jobs) and cache.cached.tolist() == [False] * 3 + [True] * (len(jobs) - 3)
-    assert capture_stats(d)["tokens"] == int(cache.lengths[3:].sum())
-    assert fill_cache(model, cache, recs, log=lambda s: None) == int(cache.lengths[:3].sum())
+    assert len(recs) == len(jobs) and cache.cached.tolist() == [False] * 6 + [True] * 6 + [False] * 3
+    assert capture_stats(d)["tokens"] == int(cache.lengths[6:12].sum())
+    assert fill_cache(model, cache, recs, log=lambda s: None) == int(cache.lengths.sum() - cache.lengths[6:12].sum())
     fresh = build_cache(model, recs, layers, tmp_path / "fresh", log=lambda s: None)
     for r in range(len(recs)):
         o, S, lo = int(cache.offsets[r]), int(cache.lengths[r]), int(cache.prompt_lens[r]) - 1
