@@ -38,15 +38,16 @@ bench: $(STAMP)
 	$(PY) -m nightjar bench serve --launch --policy nightjar --trace spike --output-json bench.json --plot bench.png
 
 # The draft head for the default target, from scratch, resumable (rerun after a stop): the target's answers to
-# the training prompts (~1.7M tokens, 42-55 min here), then the target's features of them (~30 min), then
-# EAGLE-3-style training (80 min).
+# the training prompts (~1.7M tokens, 42-55 min here), their features captured into the head's feature cache as
+# they are generated, then EAGLE-3-style training (110 min).
 # Outputs under TRAIN_DIR, never in the repo.
 TRAIN_DIR ?= .distill/head
-HEAD_MINUTES ?= 80
+HEAD_MINUTES ?= 110
 draft-head: $(STAMP)
 	$(PY) -m nightjar models pull
 	mkdir -p $(TRAIN_DIR)
-	$(PY) -m nightjar.training.answers --out $(TRAIN_DIR)/answers.jsonl --templated 4000 --samples 6 --seed 0
+	$(PY) -m nightjar.training.answers --out $(TRAIN_DIR)/answers.jsonl --templated 4000 --samples 6 --seed 0 \
+	    --features $(TRAIN_DIR)/run/cache
 	$(PY) -m nightjar.training.eagle --corpus $(TRAIN_DIR)/answers.jsonl --out $(TRAIN_DIR)/run \
 	    --minutes $(HEAD_MINUTES) --vocab 8192 --ttt 4 --seed 0
 
