@@ -234,21 +234,21 @@ def build_answers(model: LlamaModel, jobs_with_ids, path: Path, chunk: int = 512
     for i in range(0, len(todo), chunk):
         part = todo[i: i + chunk]
         t0 = time.time()
-        recs = generate_answers(model, [(p, s) for _, p, s in part], batch, max_new, log=log,
-                                layers=writer.layers if writer else (), k=writer.k if writer else 16)
+        cap = {"layers": writer.layers, "k": writer.k} if writer is not None else {}
+        recs = generate_answers(model, [(p, s) for _, p, s in part], batch, max_new, log=log, **cap)
         recs = [{"id": jid, **r} for (jid, _, _), r in zip(part, recs)]
-        for r in recs if writer else ():
+        for r in recs if writer is not None else ():
             writer.append(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"]), *r.pop("capture"))
         with path.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in recs))
         have.extend(recs)
-        if writer:
+        if writer is not None:
             writer.commit(len(have))
         n = sum(len(r["answer_ids"]) for r in recs)
         n_all += n
         log(f"answers: {len(have)}/{len(done) + len(todo)} ({n} tokens in {time.time() - t0:.0f}s, "
             f"{n / max(1e-9, time.time() - t0):.0f} tok/s; overall {n_all / (time.time() - t_all):.0f} tok/s)")
-    if writer:
+    if writer is not None:
         writer.close()
     return have
 

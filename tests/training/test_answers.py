@@ -149,3 +149,13 @@ def test_features_captured_while_generating_equal_the_targets_fill_and_survive_s
         assert (cache.topk_ids[o + lo: o + S - 1] == fresh.topk_ids[o + lo: o + S - 1]).all()
         torch.testing.assert_close(torch.from_numpy(cache.topk_logp[o + lo: o + S - 1]).float(),
                                    torch.from_numpy(fresh.topk_logp[o + lo: o + S - 1]).float(), atol=2e-3, rtol=0)
+
+
+def test_the_cli_rejects_a_size_below_one_with_exit_2(tmp_path, capsys):
+    import pytest
+
+    from nightjar.training.answers import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "a.jsonl"), "--max-new", "0"])
+    assert e.value.code == 2 and "--max-new" in capsys.readouterr().err
