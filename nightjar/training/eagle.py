@@ -107,6 +107,12 @@ def read_corpus(path: Path, limit: int | None = None) -> tuple[list[dict], int]:
     return [r for r in recs if r["answer_ids"]], lines
 
 
+def cache_layout(feature_size: int, k: int) -> dict:
+    """Each cache file's dtype and per-token shape (its rows follow the corpus's tokens)."""
+    return {"tokens": (np.int32, ()), "feats": (np.int16, (feature_size,)), "topk_ids": (np.int32, (k,)),
+            "topk_logp": (np.float16, (k,))}
+
+
 def open_cache(d: Path, records: list[dict], layers: tuple[int, ...], hidden: int, k: int = TOPK,
                lines: int | None = None) -> FeatureCache:
     """The cache of ``records`` (the first ``lines`` lines of the corpus) in ``d``: reopened when its meta
@@ -119,10 +125,8 @@ def open_cache(d: Path, records: list[dict], layers: tuple[int, ...], hidden: in
     old = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else None
     reuse = old == meta and (d / "cached.npy").exists()
     N, Fd = meta["tokens"], meta["feature_size"]
-    spec = {"tokens": (np.int32, (N,)), "feats": (np.int16, (N, Fd)), "topk_ids": (np.int32, (N, k)),
-            "topk_logp": (np.float16, (N, k))}
-    arr = {name: np.memmap(d / f"{name}.bin", dtype=dt, mode="r+" if reuse else "w+", shape=shape)
-           for name, (dt, shape) in spec.items()}
+    arr = {name: np.memmap(d / f"{name}.bin", dtype=dt, mode="r+" if reuse else "w+", shape=(N, *shape))
+           for name, (dt, shape) in cache_layout(Fd, k).items()}
     (d / "meta.json").write_text(json.dumps(meta))
     if not reuse:
         (d / "fill.json").unlink(missing_ok=True)
@@ -200,7 +204,8 @@ class CacheWriter:
         committed for a prefix of them is kept."""
         d.mkdir(parents=True, exist_ok=True)
         self.dir, self.layers, self.k, self.fsize = d, tuple(layers), k, len(layers) * hidden
-        self.row = {"tokens": 4, "feats": 2 * self.fsize, "topk_ids": 4 * k, "topk_logp": 2 * k}   # bytes/token
+        self.row = {name: np.dtype(dt).itemsize * math.prod(shape)                           # bytes/token
+                    for name, (dt, shape) in cache_layout(self.fsize, k).items()}
         self.lengths = [len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records]
         self.lines, self.tokens = lines, sum(self.lengths)
         n = self._committed(records, lines)
