@@ -262,7 +262,7 @@ def _writer(model: LlamaModel, features: Path | None, have: list[dict]):
     from nightjar.training.eagle import TOPK, CacheWriter
 
     layers = HeadConfig.for_target(model.cfg, 1).feature_layers
-    return CacheWriter(Path(features), [r for r in have if r["answer_ids"]], len(have), layers,
+    return CacheWriter(features, [r for r in have if r["answer_ids"]], len(have), layers,
                        model.cfg.hidden_size, TOPK)
 
 
@@ -287,6 +287,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.max_new < 1 or a.batch < 1 or a.chunk < 1:
         ap.error("--max-new, --batch and --chunk must be >= 1")
+    if a.features and Path(a.features).exists() and not Path(a.features).is_dir():
+        ap.error(f"--features {a.features}: not a directory")
     if a.threads:
         torch.set_num_threads(a.threads)
     log = lambda s: print(f"[answers {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731

@@ -721,6 +721,8 @@ def main(argv=None) -> None:
     for flag, v in (("--minutes", a.minutes), ("--vocab", a.vocab), ("--ttt", a.ttt), ("--batch", a.batch)):
         if v <= 0:
             ap.error(f"{flag} must be > 0, got {v}")
+    if a.cache and Path(a.cache).exists() and not Path(a.cache).is_dir():
+        ap.error(f"--cache {a.cache}: not a directory")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(f"[eagle {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731

@@ -151,7 +151,7 @@ def test_features_captured_while_generating_equal_the_targets_fill_and_survive_s
                                    torch.from_numpy(fresh.topk_logp[o + lo: o + S - 1]).float(), atol=2e-3, rtol=0)
 
 
-def test_the_cli_rejects_a_size_below_one_with_exit_2(tmp_path, capsys):
+def test_the_cli_rejects_a_size_below_one_and_a_features_file_with_exit_2(tmp_path, capsys):
     import pytest
 
     from nightjar.training.answers import main
@@ -159,3 +159,7 @@ def test_the_cli_rejects_a_size_below_one_with_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "a.jsonl"), "--max-new", "0"])
     assert e.value.code == 2 and "--max-new" in capsys.readouterr().err
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "a.jsonl"), "--features", str(tmp_path / "f")])
+    assert e.value.code == 2 and "not a directory" in capsys.readouterr().err

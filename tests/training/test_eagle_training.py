@@ -274,7 +274,8 @@ def test_the_training_cli_rejects_a_missing_corpus_and_a_bad_size_with_exit_2(tm
     corpus = tmp_path / "answers.jsonl"
     corpus.write_text("")
     for argv, said in ((["--corpus", str(tmp_path / "none.jsonl")], "no such file"),
-                       (["--corpus", str(corpus), "--vocab", "0"], "--vocab must be > 0")):
+                       (["--corpus", str(corpus), "--vocab", "0"], "--vocab must be > 0"),
+                       (["--corpus", str(corpus), "--cache", str(corpus)], "not a directory")):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--out", str(tmp_path / "out")])
         assert e.value.code == 2 and said in capsys.readouterr().err
