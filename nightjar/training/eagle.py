@@ -93,6 +93,11 @@ class FeatureCache:
         np.save(self.dir / "cached.npy", self.cached)
 
 
+def is_text(record: dict) -> bool:
+    """A teacher-forced text record (training/texts.py), not one of the target's answers."""
+    return record.get("variant") == "text"
+
+
 def read_corpus(path: Path, limit: int | None = None) -> tuple[list[dict], int]:
     """(records with an answer among the first ``limit`` complete lines, lines read). A line still being
     written (no newline yet) is not read."""
@@ -750,12 +755,9 @@ def prepare(a, out: Path, log):
         records, lines = read_corpus(Path(a.corpus), json.loads(meta.read_text())["lines"] if meta.exists()
                                      else a.max_records)
     cache = open_cache(cache_dir, records, hc0.feature_layers, target.cfg.hidden_size, lines=lines)
-    _, val_recs = split_validation(records)
-    val_ids = {r["id"] for r in val_recs}
-    train_rows = [i for i, r in enumerate(records) if r["id"] not in val_ids]
-    val_rows = [i for i, r in enumerate(records) if r["id"] in val_ids]
+    train_rows, val_rows = split_rows(records)
     V = target.cfg.vocab_size
-    ans = torch.bincount(torch.tensor([t for i in train_rows for t in records[i]["answer_ids"]]), minlength=V)
+    ans = answer_counts(records, train_rows, V)
     val = torch.bincount(torch.tensor([t for i in val_rows for t in records[i]["answer_ids"]] or [0]), minlength=V)
     cov = {n: {"answer_tokens": round(coverage(ans, select_vocab(ans, n)), 4),
                "val_answer_tokens": round(coverage(val, select_vocab(ans, n)), 4)}
@@ -771,10 +773,29 @@ def prepare(a, out: Path, log):
     first = first[: int(np.searchsorted(np.cumsum(cache.lengths[first]), 50_000)) + 1]
     set_standardisation(head, cache, first)
     info = {"lines": lines, "records": len(records), "train_records": len(train_rows), "val_records": len(val_rows),
-            "tokens": int(cache.lengths.sum()), "answer_tokens": sum(len(r["answer_ids"]) for r in records),
-            "prompts": len({r["id"] for r in records}), "coverage": cov, "fill": fill_stats(cache),
+            "tokens": int(cache.lengths.sum()),
+            "answer_tokens": sum(len(r["answer_ids"]) for r in records if not is_text(r)),
+            "text_tokens": sum(len(r["answer_ids"]) for r in records if is_text(r)),
+            "prompts": len({r["id"] for r in records if not is_text(r)}),
+            "text_records": sum(map(is_text, records)), "coverage": cov, "fill": fill_stats(cache),
             "captured": capture_stats(cache_dir)["tokens"]}
     return head, setup, info
+
+
+def split_rows(records: list[dict]) -> tuple[list[int], list[int]]:
+    """(training rows, validation rows): the answers of every 20th prompt id validate (``split_validation``);
+    text records (``is_text``) always train, so that validation measures what the head drafts, answers."""
+    _, val_recs = split_validation([r for r in records if not is_text(r)])
+    val_ids = {r["id"] for r in val_recs}
+    return ([i for i, r in enumerate(records) if r["id"] not in val_ids],
+            [i for i, r in enumerate(records) if r["id"] in val_ids])
+
+
+def answer_counts(records: list[dict], rows: list[int], vocab: int) -> torch.Tensor:
+    """[vocab] how often each token is in the answers of ``rows`` (text records left out: the draft vocabulary
+    is what the target says)."""
+    ids = [t for i in rows if not is_text(records[i]) for t in records[i]["answer_ids"]]
+    return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)
 
 
 def argmax_coverage(setup: TrainSetup, cov: dict) -> None:
@@ -803,10 +824,11 @@ with `nightjar/training/eagle.py`.
   after target layers {list(hc.feature_layers)}, standardised per dimension (mean/std of ~50k training tokens), then
   `fc`; draft vocabulary {hc.draft_vocab} target ids (the most frequent answer tokens of the training split: the
   target's own answers, its argmax where greedy; ties and unseen ids by lowest id).
-- Data: {info['records']} answers of the target to {info['prompts']} training prompts ({a.corpus}):
-  {info['tokens']} tokens (prompt + answer), {info['answer_tokens']} answer tokens; {info['train_records']} answers
-  train, {info['val_records']} validation (every 20th prompt id, `distill.split_validation`). The held-out split was
-  never seen. Targets: the target's top-{TOPK} next-token distribution and residual stream, cached in bf16.
+- Data: {info['records'] - info['text_records']} answers of the target to {info['prompts']} training prompts
+  ({a.corpus}){_texts(info)}: {info['tokens']} tokens (prompt + answer), {info['answer_tokens']} answer tokens;
+  {info['train_records']} records train, {info['val_records']} answers validate (every 20th prompt id,
+  `distill.split_validation`). The held-out split was never seen. Targets: the target's top-{TOPK} next-token
+  distribution and residual stream, cached in bf16.
 - Objective: training-time test with {a.ttt} unrolled steps (step j feeds back the head's own outputs; weights
   0.8^j); soft cross-entropy on the target's top-{TOPK} restricted to the draft vocabulary and renormalised
   + 0.2 x CE on the target's argmax where in-vocabulary{' (positions with an out-of-vocabulary argmax dropped)'
@@ -838,6 +860,13 @@ first, over the training answers the run cached).
 of the corpus (the learning-rate schedule follows wall time: another machine lands near, not on,
 these weights).
 """
+
+
+def _texts(info: dict) -> str:
+    if not info["text_records"]:
+        return ""
+    return (f" and {info['text_records']} teacher-forced text records (`training/texts.py`: the Python documentation "
+            f"as answers, {info['text_tokens']} answer tokens, training only, not in the vocabulary's counts)")
 
 
 def _extra_flags(a) -> str:

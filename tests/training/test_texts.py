@@ -1,0 +1,114 @@
+"""Teacher-forced text records from reStructuredText documentation: sections and documented objects become
+chat answers with the markup gone, in a seeded order up to a token budget; eagle.py never validates on them and
+keeps them out of the draft vocabulary."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nightjar.training.eagle import answer_counts, split_rows
+from nightjar.training.texts import append_records, main, text_records, units
+
+RST = """\
+.. _tut-json:
+
+**************************
+:mod:`json` --- JSON tools
+**************************
+
+.. module:: json
+   :synopsis: Encode and decode JSON.
+
+.. index::
+   single: JSON
+
+The :mod:`json` module reads and writes JSON, see :pep:`8` and the
+:ref:`conversion table <py-to-json>`.  Use ``json.dumps`` like this::
+
+   >>> json.dumps([1, 2])
+   '[1, 2]'
+
+.. a comment that
+   spans two lines
+
+.. function:: dumps(obj, *, indent=None, \\
+                    sort_keys=False)
+
+   Serialize *obj* to a :class:`str`.
+
+   +-------+------+
+   | a     | b    |
+   +-------+------+
+
+   .. versionchanged:: 3.6
+      *sort_keys* is kept.
+
+Decoding
+========
+
+Read JSON with :func:`~json.loads`.
+"""
+
+
+def test_sections_and_objects_lose_their_markup_and_keep_code_fenced():
+    got = units(RST, "library/json.rst.txt")
+    assert [(u["kind"], u["title"]) for u in got] == [
+        ("section", "`json` - JSON tools"),
+        ("object", "json.dumps(obj, *, indent=None, sort_keys=False)"),
+        ("section", "Decoding")]
+    intro, dumps, decoding = (u["body"] for u in got)
+    assert intro == ("The `json` module reads and writes JSON, see PEP 8 and the conversion table.  Use `json.dumps` "
+                     "like this:\n\n```\n>>> json.dumps([1, 2])\n'[1, 2]'\n```")     # one line per paragraph
+    assert dumps == "Serialize *obj* to a `str`.\n\n| a     | b    |\n\nChanged in version 3.6:\n*sort_keys* is kept."
+    assert decoding == "Read JSON with `loads`."
+    assert all(u["source"] == "library/json.rst.txt" for u in got)
+
+
+def test_records_are_chat_answers_cut_to_length_in_a_seeded_order_up_to_the_budget(tmp_path, smol_tokenizer):
+    (tmp_path / "library").mkdir()
+    (tmp_path / "library" / "json.rst.txt").write_text(RST)
+    (tmp_path / "whatsnew").mkdir()
+    (tmp_path / "whatsnew" / "3.11.rst.txt").write_text("Changes\n=======\n\n" + "Many changes. " * 40 + "\n")
+    recs = text_records(tmp_path, smol_tokenizer, tokens=10_000, seed=0, max_answer=12, min_answer=5)
+    assert len(recs) == 3                                   # every unit but what's new; each at least 5 tokens
+    assert all(r["variant"] == "text" and r["id"].startswith("doc-") for r in recs)
+    bodies = [smol_tokenizer.encode(u["body"]) for u in units(RST, "x")]
+    assert sorted(r["answer_ids"] for r in recs) == sorted(b[:12] for b in bodies)      # each body, cut at 12
+    chat_end = smol_tokenizer.encode_chat([{"role": "user", "content": "x"}])[-3:]     # the assistant's turn opens
+    assert all(r["prompt_ids"][-3:] == chat_end for r in recs)
+    assert text_records(tmp_path, smol_tokenizer, tokens=10_000, seed=0, max_answer=12, min_answer=5) == recs
+    assert len(text_records(tmp_path, smol_tokenizer, tokens=13, seed=0, max_answer=12, min_answer=5)) == 2
+    assert text_records(tmp_path, smol_tokenizer, tokens=10_000, seed=0, max_answer=12, min_answer=13) == []
+
+
+def test_text_records_always_train_and_stay_out_of_the_draft_vocabulary():
+    answers = [{"id": f"qa-{i:02d}", "variant": "greedy", "prompt_ids": [1], "answer_ids": [5, 6]} for i in range(40)]
+    texts = [{"id": f"doc-{i:06d}", "variant": "text", "prompt_ids": [1], "answer_ids": [7, 7, 7]} for i in range(40)]
+    records = answers[:20] + texts + answers[20:]
+    train, val = split_rows(records)
+    assert [records[i]["id"] for i in val] == ["qa-00", "qa-20"]          # every 20th answer id, no text
+    assert sorted(train + val) == list(range(80))
+    counts = answer_counts(records, train, 10)
+    assert counts[7] == 0 and counts[5] == counts[6] == 38
+
+
+def test_the_cli_rejects_a_missing_directory_and_a_bad_size_with_exit_2(tmp_path, capsys):
+    for argv in (["--rst", str(tmp_path / "none"), "--out", str(tmp_path / "t.jsonl")],
+                 ["--rst", str(tmp_path), "--out", str(tmp_path / "t.jsonl"), "--tokens", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].count("error:") == 1
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_appending_skips_records_the_corpus_holds_and_cuts_an_unfinished_line(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    answer = {"id": "qa-01", "variant": "greedy", "prompt_ids": [1], "answer_ids": [2]}
+    texts = [{"id": f"doc-{i:06d}", "variant": "text", "prompt_ids": [1], "answer_ids": [3 + i]} for i in range(3)]
+    path.write_text(json.dumps(answer) + "\n" + json.dumps(texts[0]) + "\n" + json.dumps(texts[1])[:10])
+    assert append_records(path, texts) == 2
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [answer] + texts
+    assert append_records(path, texts) == 0 and path.read_text().count("\n") == 4
