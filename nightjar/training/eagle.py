@@ -754,6 +754,10 @@ def prepare(a, out: Path, log):
     else:                                                 # where it holds no features
         records, lines = read_corpus(Path(a.corpus), json.loads(meta.read_text())["lines"] if meta.exists()
                                      else a.max_records)
+        more = Path(a.corpus).read_bytes().count(b"\n") - lines
+        if meta.exists() and a.max_records is None and more > 0:
+            log(f"the cache in {cache_dir} holds the corpus's first {lines} lines: the {more} after them are not used "
+                "(a new --cache uses them)")
     cache = open_cache(cache_dir, records, hc0.feature_layers, target.cfg.hidden_size, lines=lines)
     train_rows, val_rows = split_rows(records)
     V = target.cfg.vocab_size

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nightjar.training.eagle import answer_counts, split_rows
-from nightjar.training.texts import append_records, main, text_records, units
+from nightjar.training.texts import append_records, main, section_labels, text_records, units
 
 RST = """\
 .. _tut-json:
@@ -34,6 +34,8 @@ The :mod:`json` module reads and writes JSON, see :pep:`8` and the
 
 .. function:: dumps(obj, *, indent=None, \\
                     sort_keys=False)
+              dump(obj, fp)
+   :noindex:
 
    Serialize *obj* to a :class:`str`.
 
@@ -42,7 +44,25 @@ The :mod:`json` module reads and writes JSON, see :pep:`8` and the
    +-------+------+
 
    .. versionchanged:: 3.6
+
       *sort_keys* is kept.
+   .. versionadded:: 3.2
+
+   * A list item with a literal block::
+
+        x = a|b
+
+.. class:: JSONDecoder()
+
+   .. method:: decode(s)
+
+      Decode *s*; see :ref:`decoding` and :ref:`tut-json`.
+
+      .. note::
+         Say ``re.compile('a|b')`` in
+         one ``line``.
+
+.. _decoding:
 
 Decoding
 ========
@@ -52,17 +72,29 @@ Read JSON with :func:`~json.loads`.
 
 
 def test_sections_and_objects_lose_their_markup_and_keep_code_fenced():
-    got = units(RST, "library/json.rst.txt")
+    labels = section_labels(RST)
+    assert labels == {"tut-json": "`json` - JSON tools", "decoding": "Decoding"}
+    got = units(RST, "library/json.rst.txt", labels)
     assert [(u["kind"], u["title"]) for u in got] == [
         ("section", "`json` - JSON tools"),
-        ("object", "json.dumps(obj, *, indent=None, sort_keys=False)"),
+        ("object", "json.dumps(obj, *, indent=None, sort_keys=False)"),          # the second signature dropped
+        ("object", "json.JSONDecoder.decode(s)"),            # a method named with its class; the class has no text
         ("section", "Decoding")]
-    intro, dumps, decoding = (u["body"] for u in got)
+    intro, dumps, decode, decoding = (u["body"] for u in got)
     assert intro == ("The `json` module reads and writes JSON, see PEP 8 and the conversion table.  Use `json.dumps` "
                      "like this:\n\n```\n>>> json.dumps([1, 2])\n'[1, 2]'\n```")     # one line per paragraph
-    assert dumps == "Serialize *obj* to a `str`.\n\n| a     | b    |\n\nChanged in version 3.6:\n*sort_keys* is kept."
+    assert dumps == ("Serialize *obj* to a `str`.\n\n| a     | b    |\n\nChanged in version 3.6:\n*sort_keys* is "
+                     "kept.\n\nNew in version 3.2.\n\n* A list item with a literal block:\n\n```\nx = a|b\n```")
+    assert decode == ("Decode *s*; see Decoding and `json` - JSON tools.\n\nNote:\nSay `re.compile('a|b')` in one "
+                      "`line`.")
     assert decoding == "Read JSON with `loads`."
     assert all(u["source"] == "library/json.rst.txt" for u in got)
+
+
+def test_markup_is_cleaned_outside_code_only():
+    text = "Use :func:`f` and ``x``\nor `PEP <https://p>`_.\n\n.. code-block:: python\n\n   a = ``b`` | c |\n"
+    (unit,) = units("Title\n=====\n\n" + text, "x")
+    assert unit["body"] == "Use `f` and `x` or PEP.\n\n```\na = ``b`` | c |\n```"
 
 
 def test_records_are_chat_answers_cut_to_length_in_a_seeded_order_up_to_the_budget(tmp_path, smol_tokenizer):
@@ -71,14 +103,18 @@ def test_records_are_chat_answers_cut_to_length_in_a_seeded_order_up_to_the_budg
     (tmp_path / "whatsnew").mkdir()
     (tmp_path / "whatsnew" / "3.11.rst.txt").write_text("Changes\n=======\n\n" + "Many changes. " * 40 + "\n")
     recs = text_records(tmp_path, smol_tokenizer, tokens=10_000, seed=0, max_answer=12, min_answer=5)
-    assert len(recs) == 3                                   # every unit but what's new; each at least 5 tokens
+    assert len(recs) == len(units(RST, "x")) == 4           # every unit but what's new; each at least 5 tokens
     assert all(r["variant"] == "text" and r["id"].startswith("doc-") for r in recs)
-    bodies = [smol_tokenizer.encode(u["body"]) for u in units(RST, "x")]
+    assert {r["id"] for r in recs} == {r["id"] for r in text_records(tmp_path, smol_tokenizer, 10_000, seed=1,
+                                                                      max_answer=20, min_answer=5)}  # stable ids
+    bodies = [smol_tokenizer.encode(u["body"]) for u in units(RST, "x", section_labels(RST))]
     assert sorted(r["answer_ids"] for r in recs) == sorted(b[:12] for b in bodies)      # each body, cut at 12
     chat_end = smol_tokenizer.encode_chat([{"role": "user", "content": "x"}])[-3:]     # the assistant's turn opens
     assert all(r["prompt_ids"][-3:] == chat_end for r in recs)
     assert text_records(tmp_path, smol_tokenizer, tokens=10_000, seed=0, max_answer=12, min_answer=5) == recs
-    assert len(text_records(tmp_path, smol_tokenizer, tokens=13, seed=0, max_answer=12, min_answer=5)) == 2
+    first = text_records(tmp_path, smol_tokenizer, tokens=13, seed=0, max_answer=12, min_answer=5)
+    assert first == recs[: len(first)]                                   # the same order, stopped at the budget
+    assert sum(len(r["answer_ids"]) for r in first[:-1]) < 13 <= sum(len(r["answer_ids"]) for r in first)
     assert text_records(tmp_path, smol_tokenizer, tokens=10_000, seed=0, max_answer=12, min_answer=13) == []
 
 
@@ -104,11 +140,16 @@ def test_the_cli_rejects_a_missing_directory_and_a_bad_size_with_exit_2(tmp_path
     assert not (tmp_path / "t.jsonl").exists()
 
 
-def test_appending_skips_records_the_corpus_holds_and_cuts_an_unfinished_line(tmp_path):
+def test_appending_skips_records_the_corpus_holds_and_leaves_an_unfinished_line_alone(tmp_path):
     path = tmp_path / "answers.jsonl"
     answer = {"id": "qa-01", "variant": "greedy", "prompt_ids": [1], "answer_ids": [2]}
     texts = [{"id": f"doc-{i:06d}", "variant": "text", "prompt_ids": [1], "answer_ids": [3 + i]} for i in range(3)]
-    path.write_text(json.dumps(answer) + "\n" + json.dumps(texts[0]) + "\n" + json.dumps(texts[1])[:10])
+    unfinished = json.dumps(answer) + "\n\n" + json.dumps(texts[0]) + "\n" + json.dumps(texts[1])[:10]
+    path.write_text(unfinished)
+    with pytest.raises(ValueError, match="unfinished"):
+        append_records(path, texts)
+    assert path.read_text() == unfinished                                  # left for its writer to finish
+    path.write_text(unfinished[: unfinished.rindex("\n") + 1])
     assert append_records(path, texts) == 2
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [answer] + texts
-    assert append_records(path, texts) == 0 and path.read_text().count("\n") == 4
+    assert [json.loads(x) for x in path.read_text().splitlines() if x] == [answer] + texts
+    assert append_records(path, texts) == 0 and path.read_text().count("\n") == 5
