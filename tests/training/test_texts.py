@@ -4,11 +4,14 @@ keeps them out of the draft vocabulary."""
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 
 import pytest
 
-from nightjar.training.eagle import answer_counts, split_rows
+from nightjar.models.eagle import HeadConfig
+from nightjar.training.eagle import answer_counts, model_card, split_rows
 from nightjar.training.texts import append_records, main, section_labels, text_records, units
+from tests.conftest import tiny_config
 
 RST = """\
 .. _tut-json:
@@ -153,3 +156,18 @@ def test_appending_skips_records_the_corpus_holds_and_leaves_an_unfinished_line_
     assert append_records(path, texts) == 2
     assert [json.loads(x) for x in path.read_text().splitlines() if x] == [answer] + texts
     assert append_records(path, texts) == 0 and path.read_text().count("\n") == 5
+
+
+def test_the_model_card_counts_answers_and_text_records_apart():
+    hc = HeadConfig.for_target(tiny_config(vocab=100, hidden=32, layers=4), 64)
+    info = {"lines": 30, "records": 30, "text_records": 10, "train_records": 28, "val_records": 2, "tokens": 900,
+            "answer_tokens": 400, "text_tokens": 300, "prompts": 20, "fill": {"tokens": 900, "seconds": 60.0},
+            "captured": 0, "coverage": {64: {"answer_tokens": 1.0, "val_answer_tokens": 0.9, "argmax": 0.95}}}
+    state = {"final_val": None, "losses": [1.0], "step": 5, "epoch": 1, "elapsed": 60.0, "best_step": 5}
+    a = Namespace(corpus="c.jsonl", ttt=4, drop_oov=False, batch=8, lr=8e-4, minutes=1.0, vocab=64, seed=0,
+                  max_len=512, max_steps=None)
+    card = " ".join(model_card(hc, info, state, a).split())
+    assert ("Data: 20 answers of the target to 20 training prompts (c.jsonl) and 10 teacher-forced text records "
+            "(`training/texts.py`: the Python documentation as answers, 300 answer tokens, training only") in card
+    assert "400 answer tokens; 28 records train, 2 answers validate" in card
+    assert "teacher-forced" not in " ".join(model_card(hc, {**info, "text_records": 0}, state, a).split())
