@@ -35,7 +35,7 @@ ADMONITION = {"note": "Note:", "warning": "Warning:", "seealso": "See also:", "v
               "versionchanged": "Changed in version", "deprecated": "Deprecated since version", "tip": "Tip:",
               "important": "Important:", "caution": "Caution:", "attention": "Attention:", "hint": "Hint:",
               "deprecated-removed": "Deprecated since version", "impl-detail": "CPython implementation detail:",
-              "glossary": "", "topic": "", "only": "", "container": ""}
+              "glossary": "", "topic": "", "only": "", "container": ""}     # "": the body without a label
 CODE_ROLES = {"func", "meth", "class", "mod", "data", "attr", "exc", "const", "keyword", "obj", "file", "samp",
               "option", "envvar", "program", "c:func", "c:type", "c:macro", "c:data", "c:member", "py:func",
               "py:meth", "py:class", "py:mod", "py:data", "py:attr", "py:exc", "py:const", "opcode", "kbd", "command"}
@@ -209,7 +209,7 @@ def units(text: str, source: str, labels: dict | None = None) -> list[dict]:
             elif cur is not None and base in ADMONITION:
                 while block and not block[0].strip():
                     block.pop(0)
-                label = f"{ADMONITION[base]} {arg}".strip()
+                label = f"{ADMONITION[base]} {arg}".strip() if ADMONITION[base] else ""   # glossary, topic: none
                 if label:
                     cur["lines"] += ["", label + ("" if label.endswith(":") else ":" if block else ".")]
                 lines[i + 1: j] = block + [""]              # its body, read as text

@@ -95,9 +95,10 @@ def test_sections_and_objects_lose_their_markup_and_keep_code_fenced():
 
 
 def test_markup_is_cleaned_outside_code_only():
-    text = "Use :func:`f` and ``x``\nor `PEP <https://p>`_.\n\n.. code-block:: python\n\n   a = ``b`` | c |\n"
+    text = ("Use :func:`f` and ``x``\nor `PEP <https://p>`_.\n\n.. code-block:: python\n\n   a = ``b`` | c |\n\n"
+            ".. only:: html\n\n   Shown.\n")
     (unit,) = units("Title\n=====\n\n" + text, "x")
-    assert unit["body"] == "Use `f` and `x` or PEP.\n\n```\na = ``b`` | c |\n```"
+    assert unit["body"] == "Use `f` and `x` or PEP.\n\n```\na = ``b`` | c |\n```\n\nShown."
 
 
 def test_records_are_chat_answers_cut_to_length_in_a_seeded_order_up_to_the_budget(tmp_path, smol_tokenizer):
