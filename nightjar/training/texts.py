@@ -286,6 +286,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not Path(a.rst).is_dir():
         ap.error(f"--rst {a.rst}: not a directory")
+    if Path(a.out).is_dir():
+        ap.error(f"--out {a.out}: a directory, not the corpus file")
     if a.tokens < 1 or a.max_answer < 1:
         ap.error("--tokens and --max-answer must be >= 1")
     recs = text_records(Path(a.rst), load_model(a.model, pack=False).tokenizer, a.tokens, a.seed, a.max_answer)

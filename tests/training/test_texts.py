@@ -133,9 +133,10 @@ def test_text_records_always_train_and_stay_out_of_the_draft_vocabulary():
     assert counts[7] == 0 and counts[5] == counts[6] == 38
 
 
-def test_the_cli_rejects_a_missing_directory_and_a_bad_size_with_exit_2(tmp_path, capsys):
+def test_the_cli_rejects_a_missing_source_a_bad_size_and_a_directory_as_corpus_with_exit_2(tmp_path, capsys):
     for argv in (["--rst", str(tmp_path / "none"), "--out", str(tmp_path / "t.jsonl")],
-                 ["--rst", str(tmp_path), "--out", str(tmp_path / "t.jsonl"), "--tokens", "0"]):
+                 ["--rst", str(tmp_path), "--out", str(tmp_path / "t.jsonl"), "--tokens", "0"],
+                 ["--rst", str(tmp_path), "--out", str(tmp_path)]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
