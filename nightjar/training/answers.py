@@ -225,7 +225,7 @@ def build_answers(model: LlamaModel, jobs_with_ids, path: Path, chunk: int = 512
     resumes. Pending jobs go in prompt-length order so each chunk's batches pad little. With ``features`` (a
     feature cache directory, training/eagle.py) the target's features and top-k of each record go there as
     it is generated (``CacheWriter``), so head training need not run the target over the corpus again."""
-    have = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    have = _finished_lines(path)
     done = {(r["id"], r["variant"]) for r in have}
     todo = sorted((j for j in jobs_with_ids if (j[0], j[2]["variant"]) not in done), key=lambda j: len(j[1]))
     log(f"answers: {len(have)} on disk, {len(todo)} to generate")
@@ -251,6 +251,17 @@ def build_answers(model: LlamaModel, jobs_with_ids, path: Path, chunk: int = 512
     if writer is not None:
         writer.close()
     return have
+
+
+def _finished_lines(path: Path) -> list[dict]:
+    """The records of the corpus's complete lines; a last line left unfinished by a stop inside a write is cut
+    (its chunk is generated again)."""
+    text = path.read_text() if path.exists() else ""
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        with path.open("r+") as f:
+            f.truncate(len(text.encode()))
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _writer(model: LlamaModel, features: Path | None, have: list[dict]):

@@ -754,15 +754,15 @@ def prepare(a, out: Path, log):
     else:                                                 # where it holds no features
         records, lines = read_corpus(Path(a.corpus), json.loads(meta.read_text())["lines"] if meta.exists()
                                      else a.max_records)
-        more = Path(a.corpus).read_bytes().count(b"\n") - lines
-        if meta.exists() and a.max_records is None and more > 0:
+        more = Path(a.corpus).read_bytes().count(b"\n") - lines if meta.exists() and a.max_records is None else 0
+        if more > 0:
             log(f"the cache in {cache_dir} holds the corpus's first {lines} lines: the {more} after them are not used "
                 "(a new --cache uses them)")
     cache = open_cache(cache_dir, records, hc0.feature_layers, target.cfg.hidden_size, lines=lines)
     train_rows, val_rows = split_rows(records)
     V = target.cfg.vocab_size
     ans = answer_counts(records, train_rows, V)
-    val = torch.bincount(torch.tensor([t for i in val_rows for t in records[i]["answer_ids"]] or [0]), minlength=V)
+    val = answer_counts(records, val_rows, V)
     cov = {n: {"answer_tokens": round(coverage(ans, select_vocab(ans, n)), 4),
                "val_answer_tokens": round(coverage(val, select_vocab(ans, n)), 4)}
            for n in sorted({4096, 8192, 16384, a.vocab})}

@@ -3,16 +3,17 @@
     python -m nightjar.training.texts --rst DIR --out answers.jsonl [--tokens 1000000] [--seed 0]
 
 The head learns the target's next-token distribution at every answer position; a position costs one
-teacher-forced forward of the target (~3x cheaper than generating it), so text written by people adds training
+teacher-forced forward of the target (1.5-3x cheaper than generating it here), so text written by people adds training
 signal faster than the target's own answers do, if what the target predicts on it is worth learning. The source
 is the reStructuredText of Python's documentation (Debian's ``python3.11-doc``, PSF licence; its
 ``html/_sources`` directory, "What's new" and the C API left out): each section and each documented function,
 class or method becomes one record, the user asking about it (a question from a few templates), the cleaned text
 as the answer (roles and directives gone, code in fenced blocks, each prose paragraph on one line as the target
 writes), cut at ``--max-answer`` tokens. Records go in a seeded order until ``--tokens`` answer tokens and are
-appended to the corpus the answers' generator writes ({"id": "doc-N", "variant": "text", "prompt_ids",
-"answer_ids"}; records it holds already are skipped, so a rerun adds nothing). ``eagle.py`` trains on them beside
-the answers, never validates on them and draws its vocabulary from the answers alone.
+appended to the corpus the answers' generator writes ({"id": "doc-<crc32 of file, place, title>", "variant":
+"text", "prompt_ids", "answer_ids"}; records it holds already are skipped, so a rerun adds nothing).
+``eagle.py`` trains on them beside the answers, never validates on them and draws its vocabulary from the
+answers alone.
 """
 from __future__ import annotations
 
@@ -301,12 +302,12 @@ def main(argv=None) -> None:
 
 def append_records(path: Path, recs: list[dict]) -> int:
     """Appends to the corpus at ``path`` the records whose (id, variant) it does not hold yet, in one write;
-    returns how many. A corpus whose last line is unfinished (its writer still running, or stopped in a write
-    that its rerun completes) is left as it is: ValueError."""
+    returns how many. A corpus whose last line is unfinished (its writer still running, or stopped inside a
+    write) is left as it is: ValueError."""
     text = path.read_text() if path.exists() else ""
     if text and not text.endswith("\n"):
-        raise ValueError(f"{path}: its last line is unfinished (is the answers' generator still writing it? "
-                         "its rerun finishes it)")
+        raise ValueError(f"{path}: its last line is unfinished (the answers' generator still writing, or stopped "
+                         "inside a write: its rerun cuts the line and generates that chunk again)")
     have = {(r["id"], r["variant"]) for r in (json.loads(x) for x in text.splitlines() if x.strip())}
     new = [r for r in recs if (r["id"], r["variant"]) not in have]
     with path.open("a") as f:

@@ -79,9 +79,11 @@ def test_the_writer_appends_records_and_a_rerun_skips_finished_jobs(tmp_path):
     first = [json.loads(line) for line in path.read_text().splitlines()]
     assert {(r["id"], r["variant"]) for r in first} == {(j[0], j[2]["variant"]) for j in jobs[:4]}
     assert set(first[0]) == {"id", "variant", "prompt_ids", "answer_ids"}
+    with path.open("a") as f:
+        f.write(path.read_text().splitlines()[0][:15])                       # a stop inside a write
     logs = []
     have = build_answers(model, jobs, path, chunk=3, batch=2, max_new=4, log=logs.append)
-    assert logs[0] == "answers: 4 on disk, 6 to generate"
+    assert logs[0] == "answers: 4 on disk, 6 to generate"                    # the unfinished line cut
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines[:4] == first and len(lines) == len(have) == len(jobs)
     assert sorted((r["id"], r["variant"]) for r in lines) == sorted((j[0], j[2]["variant"]) for j in jobs)
