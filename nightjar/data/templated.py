@@ -105,6 +105,11 @@ Identify the subject and the verb in this sentence: {x}
 Turn this sentence into a question: {x}""".splitlines()
 
 
+def is_templated(prompt_id: str) -> bool:
+    """Whether a prompt id is one of this module's (``templated_prompts`` or ``passage_prompts``)."""
+    return prompt_id.startswith(("tpl-", "tpd-"))
+
+
 def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(";") if t.strip()]
 
@@ -133,3 +138,39 @@ def _all_prompts(rng: random.Random) -> list[tuple[str, str]]:
             out.append(("math", t.format(a=a, b=b, c=c)))
     out += [("translation", t.format(x=x)) for t, x in itertools.product(SENTENCE_TASKS, sentences)]
     return list(dict.fromkeys(out))
+
+
+PASSAGE_TASKS = [("summarization", t) for t in """Summarize this passage in one sentence:
+Give a one-line summary of this text:
+Summarize the following paragraph in two sentences:
+What is the main point of this passage? Answer in one sentence.
+Write a short title for this paragraph, then summarize it in one sentence.""".splitlines()] + [
+    ("extraction", t) for t in """Extract the main keywords (5 to 8) from this paragraph:
+List the key facts in this passage as bullet points:
+Extract every name of a thing, a place or a person mentioned in this passage:
+What are the three most important ideas in this text? List them.""".splitlines()] + [
+    ("qa", "Write two questions that this passage answers, with their answers."),
+    ("writing", "Rewrite this paragraph for a young child, keeping it short:")]
+
+CHAT_TASKS = """I want to get better at {s}. Where should I start?
+My friend loves {s}. What would be a thoughtful small gift for them?
+I'm giving a five-minute talk about {s} tomorrow and I'm nervous. Any tips?
+Can you suggest a fun weekend activity related to {s}?
+I find {s} boring. Can you convince me it's interesting?
+What are some good beginner questions to ask an expert on {s}?""".splitlines()
+
+
+def passage_prompts(passages: list[str], n: int, seed: int = 0) -> list[dict]:
+    """``n`` distinct training prompts of the hand-written collection's other kinds, ids ``tpd-NNNNN``:
+    two summarization/extraction-style tasks (of ``PASSAGE_TASKS``) over each of ``passages`` (paragraphs the
+    target wrote for templated prompts, training/answers.py ``--passages``), and chat-style requests
+    (``CHAT_TASKS``) about the templated subjects. Deterministic for given passages and seed."""
+    rng = random.Random(seed)
+    pool = [(cat, f"{task}\n\n{p}") for p in passages for cat, task in rng.sample(PASSAGE_TASKS, 2)]
+    pool += [("chat", t.format(s=s)) for t, s in itertools.product(CHAT_TASKS, _split(SUBJECTS))]
+    pool = list(dict.fromkeys(pool))
+    rng.shuffle(pool)
+    if n > len(pool):
+        raise ValueError(f"only {len(pool)} passage and chat prompts exist for {len(passages)} passages, asked for {n}")
+    return [{"id": f"tpd-{i:05d}", "category": cat, "prompt": text, "split": "train", "max_tokens": 128}
+            for i, (cat, text) in enumerate(pool[:n])]

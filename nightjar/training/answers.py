@@ -7,6 +7,8 @@ decoded one token per step. Rows that finish (an EOS id, kept in the answer as t
 Writes the records distill.py's corpus uses (without the teacher top-k), resumably, chunk by chunk; with
 ``--features DIR`` also the target's features and top-k of every record into a head-training feature cache
 (training/eagle.py ``CacheWriter``), so that head training does not run the target over the corpus again.
+``--passages N`` then answers N more prompts greedily (``data/templated.py`` ``passage_prompts``): summarization
+and extraction tasks over paragraphs the target wrote for the templated prompts, and chat-style requests.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nightjar.actors.sampler import SamplingHints, sample_from, transform_logits
+from nightjar.data.templated import passage_prompts
 from nightjar.models import LlamaModel
 from nightjar.models.llama import apply_rope
 
@@ -286,6 +289,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--templated", type=int, default=4000, help="templated prompts answered greedily")
     ap.add_argument("--samples", type=int, default=2, help="sampled answers per hand-written prompt")
+    ap.add_argument("--passages", type=int, default=0,
+                    help="then this many more prompts answered greedily: summarization/extraction tasks over "
+                         "paragraphs of the templated answers, and chat requests (data/templated.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=128)
@@ -296,8 +302,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is faster on cores shared with other busy processes)")
     a = ap.parse_args(argv)
-    if a.max_new < 1 or a.batch < 1 or a.chunk < 1:
-        ap.error("--max-new, --batch and --chunk must be >= 1")
+    if a.max_new < 1 or a.batch < 1 or a.chunk < 1 or a.passages < 0:
+        ap.error("--max-new, --batch and --chunk must be >= 1, --passages >= 0")
     if a.features and Path(a.features).exists() and not Path(a.features).is_dir():
         ap.error(f"--features {a.features}: not a directory")
     if a.threads:
@@ -305,11 +311,32 @@ def main(argv=None) -> None:
     log = lambda s: print(f"[answers {time.strftime('%H:%M:%S')}] {s}", flush=True)  # noqa: E731
     target = load_model(a.model, dtype=torch.bfloat16, pack=False)
     jobs = corpus_jobs(a.templated, a.samples, a.seed)[: a.limit]
-    enc = [(p["id"], target.tokenizer.encode_chat([{"role": "user", "content": p["prompt"]}]), {"variant": v})
-           for p, v in jobs]
+    chat = lambda p: target.tokenizer.encode_chat([{"role": "user", "content": p["prompt"]}])  # noqa: E731
+    enc = [(p["id"], chat(p), {"variant": v}) for p, v in jobs]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log, Path(a.features) if a.features else None)
+    feats = Path(a.features) if a.features else None
+    have = build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log, feats)
+    if a.passages:
+        more = passage_prompts(passages_from(have, target.tokenizer.decode), a.passages, a.seed)
+        enc = [(p["id"], chat(p), {"variant": "greedy"}) for p in more]
+        build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log, feats)
+
+
+def passages_from(records: list[dict], decode, lo: int = 40, hi: int = 160) -> list[str]:
+    """Paragraphs for ``passage_prompts``: the greedy answers to templated prompts (ids ``tpl-``, in id order)
+    decoded and split into lines; a line of prose (no code, no list item, no heading) cut after its last full
+    stop is kept when it has ``lo``..``hi`` words."""
+    out = []
+    for r in sorted((r for r in records if r["id"].startswith("tpl-") and r["variant"] == "greedy"),
+                    key=lambda r: r["id"]):
+        for line in decode(r["answer_ids"]).splitlines():
+            text = line.strip()
+            text = text[: text.rfind(".") + 1]
+            if "`" in text or text[:1] in "-*#|>0123456789" or not lo <= len(text.split()) <= hi:
+                continue
+            out.append(text)
+    return out
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from nightjar.data import training_prompts
-from nightjar.data.templated import templated_prompts
+from nightjar.data.templated import is_templated, templated_prompts
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import INDEPENDENT_DRAFT_DIR, LlamaModel, build_layout, load_model
 from nightjar.models.config import ModelConfig
@@ -233,7 +233,7 @@ def top1_agreement(model, recs, max_len: int = 384, batch: int = 16) -> dict[str
     hits = {"hand-written": [0, 0], "templated": [0, 0]}
     for group, logits, tid, _, mask in _forward_batches(model, recs, max_len, batch):
         same = logits.argmax(-1) == tid[mask][:, 0]                                      # [M]
-        src = torch.tensor([r["id"].startswith("tpl-") for r in group])[:, None].expand_as(mask)[mask]
+        src = torch.tensor([is_templated(r["id"]) for r in group])[:, None].expand_as(mask)[mask]
         for key, sel in (("hand-written", ~src), ("templated", src)):
             hits[key][0] += int(same[sel].sum())
             hits[key][1] += int(sel.sum())
@@ -404,7 +404,7 @@ See the section appended by `bench/acceptance.py --write-card`.
 
 
 def _count(corpus, variant: str, hand: bool) -> int:
-    return sum(1 for r in corpus if r["variant"] == variant and r["id"].startswith("tpl-") != hand)
+    return sum(1 for r in corpus if r["variant"] == variant and is_templated(r["id"]) != hand)
 
 
 def _selection(state, a) -> str:

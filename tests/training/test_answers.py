@@ -161,7 +161,26 @@ def test_the_cli_rejects_a_size_below_one_and_a_features_file_with_exit_2(tmp_pa
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "a.jsonl"), "--max-new", "0"])
     assert e.value.code == 2 and "--max-new" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "a.jsonl"), "--passages", "-1"])
+    assert e.value.code == 2 and "--passages" in capsys.readouterr().err
     (tmp_path / "f").write_text("")
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "a.jsonl"), "--features", str(tmp_path / "f")])
     assert e.value.code == 2 and "not a directory" in capsys.readouterr().err
+
+
+def test_passages_are_the_prose_lines_of_templated_greedy_answers():
+    from nightjar.training.answers import passages_from
+
+    prose = " ".join(["word"] * 45) + ". A trailing half"
+    texts = {1: f"Intro line.\n{prose}", 2: f"- {prose}", 3: f"Use `x`: {prose}", 4: prose, 5: prose}
+    recs = [{"id": "tpl-00002", "variant": "greedy", "answer_ids": [1]},
+            {"id": "tpl-00001", "variant": "greedy", "answer_ids": [4]},
+            {"id": "tpl-00003", "variant": "greedy", "answer_ids": [2]},
+            {"id": "tpl-00004", "variant": "greedy", "answer_ids": [3]},
+            {"id": "tpl-00005", "variant": "s0", "answer_ids": [5]},
+            {"id": "chat-0001", "variant": "greedy", "answer_ids": [5]}]
+    got = passages_from(recs, lambda ids: texts[ids[0]], lo=40, hi=60)
+    assert got == [prose[: prose.rfind(".") + 1]] * 2         # tpl-00001, then tpl-00002's second line
+    assert passages_from(recs, lambda ids: texts[ids[0]], lo=50, hi=60) == []

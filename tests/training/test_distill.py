@@ -93,3 +93,20 @@ def test_top1_agreement_is_one_for_the_teacher_itself_and_split_by_source():
     other = random_model(tiny_config(vocab=100, hidden=32), seed=1)
     got = top1_agreement(other, corpus)
     assert all(0 <= v < 0.5 for v in got.values())
+
+
+def test_passage_prompts_are_distinct_deterministic_and_cover_the_other_kinds():
+    import pytest
+
+    from nightjar.data.templated import is_templated, passage_prompts
+
+    passages = [f"Paragraph {i} says something about topic {i}. It has a second sentence." for i in range(40)]
+    recs = passage_prompts(passages, 500, seed=3)
+    assert recs == passage_prompts(passages, 500, seed=3) and recs != passage_prompts(passages, 500, seed=4)
+    assert len({r["prompt"] for r in recs}) == 500 and all(is_templated(r["id"]) for r in recs)
+    assert {r["category"] for r in recs} >= {"summarization", "extraction", "chat"}
+    with_passage = [r for r in recs if r["category"] != "chat"]
+    assert with_passage and all(r["prompt"].split("\n\n", 1)[1] in passages for r in with_passage)
+    assert not is_templated("chat-0001")
+    with pytest.raises(ValueError, match="asked for"):
+        passage_prompts(passages, 10_000)
