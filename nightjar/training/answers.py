@@ -318,7 +318,10 @@ def main(argv=None) -> None:
     feats = Path(a.features) if a.features else None
     have = build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log, feats)
     if a.passages:
-        more = passage_prompts(passages_from(have, target.tokenizer.decode), a.passages, a.seed)
+        try:
+            more = passage_prompts(passages_from(have, target.tokenizer.decode), a.passages, a.seed)
+        except ValueError as e:             # the answers so far stay on disk; a rerun with a smaller N resumes
+            ap.error(f"--passages {a.passages}: {e}")
         enc = [(p["id"], chat(p), {"variant": "greedy"}) for p in more]
         build_answers(target.model, enc, out, a.chunk, a.batch, a.max_new, log, feats)
 

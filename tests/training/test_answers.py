@@ -184,3 +184,26 @@ def test_passages_are_the_prose_lines_of_templated_greedy_answers():
     got = passages_from(recs, lambda ids: texts[ids[0]], lo=40, hi=60)
     assert got == [prose[: prose.rfind(".") + 1]] * 2         # tpl-00001, then tpl-00002's second line
     assert passages_from(recs, lambda ids: texts[ids[0]], lo=50, hi=60) == []
+
+
+def test_more_passages_than_the_answers_give_exit_2_after_keeping_the_answers(tmp_path, capsys, monkeypatch):
+    import pytest
+
+    from nightjar.training import answers
+
+    target = tiny_target()
+
+    class Tok:
+        def encode_chat(self, messages):
+            return [1, 2, 3]
+
+        def decode(self, ids):
+            return "short."
+    monkeypatch.setattr("nightjar.models.load_model", lambda *a, **k: type("T", (), {"model": target,
+                                                                                       "tokenizer": Tok()})())
+    out = tmp_path / "a.jsonl"
+    with pytest.raises(SystemExit) as e:
+        answers.main(["--out", str(out), "--templated", "2", "--samples", "0", "--limit", "3", "--max-new", "2",
+                      "--passages", "1000000"])
+    assert e.value.code == 2 and "--passages 1000000: only" in capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 3                  # the answers generated first are kept
