@@ -110,6 +110,12 @@ def is_templated(prompt_id: str) -> bool:
     return prompt_id.startswith(("tpl-", "tpd-"))
 
 
+def _records(prefix: str, pool: list[tuple[str, str]]) -> list[dict]:
+    """(category, prompt) pairs as records shaped like ``load_prompts``', ids ``<prefix>-NNNNN`` in order."""
+    return [{"id": f"{prefix}-{i:05d}", "category": cat, "prompt": text, "split": "train", "max_tokens": 128}
+            for i, (cat, text) in enumerate(pool)]
+
+
 def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(";") if t.strip()]
 
@@ -121,8 +127,7 @@ def templated_prompts(n: int, seed: int = 0) -> list[dict]:
     rng.shuffle(pool)
     if n > len(pool):
         raise ValueError(f"only {len(pool)} templated prompts exist, asked for {n}")
-    return [{"id": f"tpl-{i:05d}", "category": cat, "prompt": text, "split": "train", "max_tokens": 128}
-            for i, (cat, text) in enumerate(pool[:n])]
+    return _records("tpl", pool[:n])
 
 
 def _all_prompts(rng: random.Random) -> list[tuple[str, str]]:
@@ -172,5 +177,4 @@ def passage_prompts(passages: list[str], n: int, seed: int = 0) -> list[dict]:
     rng.shuffle(pool)
     if n > len(pool):
         raise ValueError(f"only {len(pool)} passage and chat prompts exist for {len(passages)} passages, asked for {n}")
-    return [{"id": f"tpd-{i:05d}", "category": cat, "prompt": text, "split": "train", "max_tokens": 128}
-            for i, (cat, text) in enumerate(pool[:n])]
+    return _records("tpd", pool[:n])
