@@ -26,7 +26,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -596,11 +596,10 @@ def train(head: DraftHead, setup: TrainSetup, minutes: float, out: Path, steps: 
           eval_minutes: float = 10.0, eval_records: int = 128, warmup: int = 30, drop_oov: bool = False,
           checkpoint_minutes: float = 5.0) -> dict:
     """AdamW on fp32 master weights (``head``) while the passes run on a bf16 copy (about 2x faster than
-    autocast on CPU, measured: no casts around every op), warm-up then a cosine over the wall-time budget,
-    grad clip 1.0. A checkpoint
-    every ``checkpoint_minutes`` (OUT/checkpoint.pt, resumed from); every ``eval_minutes`` and at the end
-    validation agreement per step; the head ends with the weights of the best validation mean-accepted
-    estimate."""
+    autocast on CPU, measured: no casts around every op), warm-up then a cosine over the budget
+    (``schedule_progress``), grad clip 1.0. A checkpoint every ``checkpoint_minutes`` (OUT/checkpoint.pt,
+    resumed from); every ``eval_minutes`` and at the end validation agreement per step; the head ends with
+    the weights of the best validation mean-accepted estimate."""
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(_param_groups(head), lr=lr, betas=(0.9, 0.95))
     ckpt = out / "checkpoint.pt"
@@ -637,7 +636,7 @@ def train(head: DraftHead, setup: TrainSetup, minutes: float, out: Path, steps: 
             state["pos"] += batch
             state["target_tokens"] = state.get("target_tokens", 0) + setup.ready(rows)
             b = collate(setup.cache, rows, max_len)
-            frac = min(1.0, (time.time() - t_start) / (minutes * 60))
+            frac = schedule_progress(time.time() - t_start, minutes, state["step"], max_steps)
             cosine = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))
             for g in opt.param_groups:
                 g["lr"] = lr * min(1.0, (state["step"] + 1) / warmup) * cosine
@@ -668,6 +667,15 @@ def train(head: DraftHead, setup: TrainSetup, minutes: float, out: Path, steps: 
     head.load_state_dict(best)
     state["final_val"] = next((v for v in state["val"] if v["step"] == state["best_step"]), None)
     return state
+
+
+def schedule_progress(elapsed_s: float, minutes: float, step: int, max_steps: int | None) -> float:
+    """How far the run is towards whichever budget ends it first, in [0, 1]: the cosine follows wall time, or
+    steps where ``max_steps`` ends the run sooner (so a step-bounded run decays fully whatever the machine's load)."""
+    frac = elapsed_s / (minutes * 60)
+    if max_steps:
+        frac = max(frac, step / max_steps)
+    return min(1.0, frac)
 
 
 def _log_progress(state, window, t_start, log) -> None:
@@ -713,6 +721,7 @@ def main(argv=None) -> None:
     ap.add_argument("--minutes", type=float, default=50.0, help="training wall-time budget (after the cache is filled)")
     ap.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size")
     ap.add_argument("--ttt", type=int, default=4, help="unrolled training-time-test steps")
+    ap.add_argument("--intermediate", type=int, default=None, help="the head's MLP width (default: the target's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--batch", type=int, default=8, help="answers per step")
@@ -723,7 +732,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not Path(a.corpus).is_file():
         ap.error(f"--corpus {a.corpus}: no such file (python -m nightjar.training.answers writes one)")
-    for flag, v in (("--minutes", a.minutes), ("--vocab", a.vocab), ("--ttt", a.ttt), ("--batch", a.batch)):
+    for flag, v in (("--minutes", a.minutes), ("--vocab", a.vocab), ("--ttt", a.ttt), ("--batch", a.batch),
+                    ("--intermediate", a.intermediate or 1), ("--max-steps", a.max_steps or 1)):
         if v <= 0:
             ap.error(f"{flag} must be > 0, got {v}")
     if a.cache and Path(a.cache).exists() and not Path(a.cache).is_dir():
@@ -746,6 +756,8 @@ def prepare(a, out: Path, log):
 
     target = load_model(a.model, dtype="bfloat16", pack=False).model
     hc0 = HeadConfig.for_target(target.cfg, a.vocab)
+    if a.intermediate:
+        hc0 = replace(hc0, intermediate_size=a.intermediate)
     cache_dir = Path(a.cache) if a.cache else out / "cache"
     meta = cache_dir / "meta.json"
     if (cache_dir / "capture.json").exists() and a.max_records is None:
@@ -861,8 +873,7 @@ first, over the training answers the run cached).
 
 `python -m nightjar.training.eagle --corpus {a.corpus} --out DIR --minutes {a.minutes:g} --vocab {a.vocab}
 --ttt {a.ttt} --seed {a.seed} --lr {a.lr:g} --batch {a.batch}{_extra_flags(a)}` over the first {info['lines']} lines
-of the corpus (the learning-rate schedule follows wall time: another machine lands near, not on,
-these weights).
+of the corpus ({_schedule_note(a)}).
 """
 
 
@@ -873,9 +884,17 @@ def _texts(info: dict) -> str:
             f"as answers, {info['text_tokens']} answer tokens, training only, not in the vocabulary's counts)")
 
 
+def _schedule_note(a) -> str:
+    if a.max_steps:
+        return ("the learning-rate schedule follows steps, or wall time where the minutes run out first; the "
+                "validations that pick the kept weights come every 10 minutes of wall time")
+    return "the learning-rate schedule follows wall time: another machine lands near, not on, these weights"
+
+
 def _extra_flags(a) -> str:
     flags = [f" --max-len {a.max_len}"] if a.max_len != 512 else []
     flags += [" --drop-oov"] if a.drop_oov else []
+    flags += [f" --intermediate {a.intermediate}"] if a.intermediate else []
     return "".join(flags + ([f" --max-steps {a.max_steps}"] if a.max_steps else []))
 
 

@@ -275,7 +275,32 @@ def test_the_training_cli_rejects_a_missing_corpus_and_a_bad_size_with_exit_2(tm
     corpus.write_text("")
     for argv, said in ((["--corpus", str(tmp_path / "none.jsonl")], "no such file"),
                        (["--corpus", str(corpus), "--vocab", "0"], "--vocab must be > 0"),
+                       (["--corpus", str(corpus), "--intermediate", "-1"], "--intermediate must be > 0"),
+                       (["--corpus", str(corpus), "--max-steps", "-5"], "--max-steps must be > 0"),
                        (["--corpus", str(corpus), "--cache", str(corpus)], "not a directory")):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--out", str(tmp_path / "out")])
         assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_schedule_follows_whichever_budget_ends_the_run_first():
+    from nightjar.training.eagle import schedule_progress
+
+    assert schedule_progress(30 * 60, 60, 10, None) == 0.5              # wall time only
+    assert schedule_progress(30 * 60, 60, 750, 1000) == 0.75            # steps ahead of the clock
+    assert schedule_progress(45 * 60, 60, 100, 1000) == 0.75            # the clock ahead of the steps
+    assert schedule_progress(90 * 60, 60, 2000, 1000) == 1.0
+
+
+def test_a_head_with_a_wider_mlp_saves_and_loads_with_its_width(tmp_path):
+    from dataclasses import replace
+
+    from nightjar.models.eagle import save_head
+
+    cfg = tiny_config(vocab=8, hidden=16, layers=2)
+    hc = replace(HeadConfig.for_target(cfg, 4), intermediate_size=3 * cfg.intermediate_size)
+    head = init_head(hc, torch.randn(8, 16), torch.tensor([0, 2, 5, 7]), 0)
+    save_head(head, tmp_path)
+    back = load_head(tmp_path, cfg, torch.float32)
+    assert back.mlp.up_proj.weight.shape == (3 * cfg.intermediate_size, 16)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))
