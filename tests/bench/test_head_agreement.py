@@ -29,3 +29,33 @@ def test_a_bad_head_or_size_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ha.main(["--head", str(HEAD), "--prompts", "-1"])
     assert e.value.code == 2 and "--prompts" in capsys.readouterr().err
+
+
+def test_first_position_hits_fall_in_the_bin_of_the_targets_confidence():
+    bins = [[0, 0] for _ in ha.CONFIDENCE_EDGES[1:]]
+    conf = torch.tensor([0.1, 0.3, 0.49, 0.95, 1.0, 0.7])
+    ha.tally_confidence(torch.tensor([False, True, False, True, True, True]), conf, bins)
+    # [0,.3): 0.1 | [.3,.5): 0.3, 0.49 | [.5,.7): - | [.7,.9): 0.7 | [.9,1]: 0.95, 1.0
+    assert bins == [[0, 1], [1, 2], [0, 0], [1, 1], [2, 2]]
+
+
+def test_corpus_mode_reads_the_greedy_answers_of_the_validation_split_cut_to_max_tokens(tmp_path):
+    import json
+
+    lines = []
+    for i in range(40):                                      # ids p-00 .. p-39: every 20th sorted id validates
+        for variant in ("greedy", "s0"):
+            lines.append({"id": f"{'tpl' if i % 2 else 'qa'}-{i:02d}", "variant": variant, "prompt_ids": [1, i],
+                          "answer_ids": list(range(10))})
+    corpus = tmp_path / "answers.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = ha.validation_answers(corpus, 0, 4)
+    # sorted ids: qa-00, qa-02, .., qa-38, tpl-01, .., tpl-39 -> the 0th (qa-00) and 20th (tpl-01) validate
+    assert got == [("qa", [1, 0], [0, 1, 2, 3]), ("tpl", [1, 1], [0, 1, 2, 3])]
+    assert ha.validation_answers(corpus, 1, 4) == got[:1]
+
+
+def test_a_missing_corpus_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        ha.main(["--head", str(HEAD), "--corpus", str(tmp_path / "none.jsonl")])
+    assert e.value.code == 2 and "no such file" in capsys.readouterr().err
