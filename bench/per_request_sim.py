@@ -1,14 +1,16 @@
 """Per-request γ_i (issue 17) in the simulator: a mixed workload, half high-acceptance and half low.
 
-  python bench/per_request_sim.py [--seeds 5] [--profiles cpu,cpu-quiet,a100] [--n 1,4,16,64]
+  python bench/per_request_sim.py [--seeds 5] [--profiles cpu,cpu-quiet,cpu-amx,a100,FILE.json] [--n 1,4,16,64]
                                   [--mix '0.5:0.9;0.5:0.1']
 
 The full control plane (real planner, batcher, KV pool) on the simulator, closed loop with N clients,
 per-request acceptance drawn per request from the classes of ``--mix`` (synthetic acceptance, labelled as
 such: each drafting row accepts position i with its class's rate). Profiles: the two CPU profiles measured
 on this box (``cpu``: tests/actors/data/profile_cpu_bf16.json, 2026-11-30, cores shared with other jobs;
-``cpu-quiet``: profile_cpu_bf16_quiet.json, 2026-12-02, head-major KV cache, quiet box) and the A100-13B
-roofline (``a100``). Every policy sees the same requests
+``cpu-quiet``: profile_cpu_bf16_quiet.json, 2026-12-02, head-major KV cache, quiet box), the profile of the
+box that replaced it (``cpu-amx``: profile_cpu_bf16_amx.json, 2026-12-06, an Intel Xeon with AMX), the A100-13B
+roofline (``a100``) or any profile file (a path ending in ``.json``, e.g. ``--planner-profile auto``'s cached
+one). Every policy sees the same requests
 and classes (same seed). Prints, per profile and N, the median over seeds (and min) of throughput and
 mean-E2E ratios of ``nightjar:per-request`` against batch-level ``nightjar`` and against the best fixed γ
 (best by median throughput), and the share of decode rows per γ_i.
@@ -33,14 +35,25 @@ from nightjar.offline.sim.workload import make_workload
 from nightjar.offline.simulate import SimConfig, Simulation
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "actors" / "data"
-CPU_PROFILES = {"cpu": DATA / "profile_cpu_bf16.json", "cpu-quiet": DATA / "profile_cpu_bf16_quiet.json"}
+CPU_PROFILES = {"cpu": DATA / "profile_cpu_bf16.json", "cpu-quiet": DATA / "profile_cpu_bf16_quiet.json",
+                "cpu-amx": DATA / "profile_cpu_bf16_amx.json"}
 FIXED = ("fixed:1", "fixed:2", "fixed:3", "fixed:4")
 BATCH, PER_ROW = "nightjar", "nightjar:per-request"
 
 
 def profiles(names: list[str]) -> dict[str, Profile]:
-    return {n: Profile.load(str(CPU_PROFILES[n])) if n in CPU_PROFILES else roofline_profile("a100", "13b")
-            for n in names}
+    """Each name's profile: a CPU profile of ``CPU_PROFILES``, ``a100`` (the roofline) or a profile file."""
+    def one(n: str) -> Profile:
+        if n == "a100":
+            return roofline_profile("a100", "13b")
+        return Profile.load(str(CPU_PROFILES.get(n, n)))
+    return {n: one(n) for n in names}
+
+
+def unknown_profile(names: list[str]) -> str | None:
+    """The first name that is no known profile and no existing ``.json`` file, else None."""
+    return next((n for n in names if n not in (*CPU_PROFILES, "a100")
+                 and not (n.endswith(".json") and Path(n).is_file())), None)
 
 
 def run_cell(prof: Profile, n: int, seed: int, mix: AcceptanceMix, policies) -> dict[str, tuple[float, float, dict]]:
@@ -103,9 +116,9 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--class-oracle", action="store_true", help="add the best static γ per request class (a ceiling)")
     a = p.parse_args()
-    bad = [n for n in a.profiles.split(",") if n not in (*CPU_PROFILES, "a100")]
+    bad = unknown_profile(a.profiles.split(","))
     if bad:
-        p.error(f"unknown profile {bad[0]!r}: choose from {', '.join((*CPU_PROFILES, 'a100'))}")
+        p.error(f"unknown profile {bad!r}: choose from {', '.join((*CPU_PROFILES, 'a100'))} or a profile .json file")
     mix = AcceptanceMix.parse(a.mix)
     policies = (*FIXED, BATCH, PER_ROW)
     rows = []
