@@ -167,7 +167,7 @@ def test_the_model_card_counts_answers_and_text_records_apart():
             "captured": 0, "coverage": {64: {"answer_tokens": 1.0, "val_answer_tokens": 0.9, "argmax": 0.95}}}
     state = {"final_val": None, "losses": [1.0], "step": 5, "epoch": 1, "elapsed": 60.0, "best_step": 5}
     a = Namespace(corpus="c.jsonl", ttt=4, drop_oov=False, batch=8, lr=8e-4, minutes=1.0, vocab=64, seed=0,
-                  max_len=512, max_steps=None)
+                  max_len=512, max_steps=None, intermediate=None)
     card = " ".join(model_card(hc, info, state, a).split())
     assert ("Data: 20 answers of the target to 20 training prompts (c.jsonl) and 10 teacher-forced text records "
             "(`training/texts.py`: the Python documentation as answers, 300 answer tokens, training only") in card
