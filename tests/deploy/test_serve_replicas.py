@@ -140,16 +140,16 @@ def test_metrics_are_each_replicas_own_labelled_by_replica(client, cluster):
         if len(replicas) == 2 and sent >= 8:
             break
     deadline, flat = time.monotonic() + 20, {}
-    while time.monotonic() < deadline:               # replicas push their exposition every 2 s
-        with urllib.request.urlopen(cluster[0] + "/metrics", timeout=10) as r:
+    while time.monotonic() < deadline:               # replicas push their exposition every 2 s, so the first
+        with urllib.request.urlopen(cluster[0] + "/metrics", timeout=10) as r:    # may predate the last answers
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
             flat = parse_prometheus(r.read().decode())
         labelled = {k for k in flat if k.startswith("nightjar:num_requests_running{")}
-        if len(labelled) == 2:
+        done = [v for k, v in flat.items() if k.startswith("nightjar:request_success_total{")]
+        if len(labelled) == 2 and sum(done) >= sent:
             break
         time.sleep(1)
     assert labelled == {f'nightjar:num_requests_running{{replica="{r}"}}' for r in replicas} and len(replicas) == 2
-    done = [v for k, v in flat.items() if k.startswith("nightjar:request_success_total{")]
     assert sum(done) >= 8
 
 
