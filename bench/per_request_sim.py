@@ -3,17 +3,16 @@
   python bench/per_request_sim.py [--seeds 5] [--profiles cpu,cpu-quiet,cpu-amx,a100,FILE.json] [--n 1,4,16,64]
                                   [--mix '0.5:0.9;0.5:0.1']
 
-The full control plane (real planner, batcher, KV pool) on the simulator, closed loop with N clients,
-per-request acceptance drawn per request from the classes of ``--mix`` (synthetic acceptance, labelled as
-such: each drafting row accepts position i with its class's rate). Profiles: the two CPU profiles measured
-on this box (``cpu``: tests/actors/data/profile_cpu_bf16.json, 2026-11-30, cores shared with other jobs;
-``cpu-quiet``: profile_cpu_bf16_quiet.json, 2026-12-02, head-major KV cache, quiet box), the profile of the
-box that replaced it (``cpu-amx``: profile_cpu_bf16_amx.json, 2026-12-06, an Intel Xeon with AMX), the A100-13B
-roofline (``a100``) or any profile file (a path ending in ``.json``, e.g. ``--planner-profile auto``'s cached
-one). Every policy sees the same requests
-and classes (same seed). Prints, per profile and N, the median over seeds (and min) of throughput and
-mean-E2E ratios of ``nightjar:per-request`` against batch-level ``nightjar`` and against the best fixed γ
-(best by median throughput), and the share of decode rows per γ_i.
+The full control plane (real planner, batcher, KV pool) on the simulator, closed loop with N clients, per-request
+acceptance drawn per request from the classes of ``--mix`` (synthetic acceptance, labelled as such: each drafting
+row accepts position i with its class's rate). Profiles: the two CPU profiles measured on the project's first box,
+an AMD EPYC (``cpu``: tests/actors/data/profile_cpu_bf16.json, 2026-11-30, cores shared with other jobs;
+``cpu-quiet``: profile_cpu_bf16_quiet.json, 2026-12-02, head-major KV cache, quiet box), the profile of the box
+that replaced it (``cpu-amx``: profile_cpu_bf16_amx.json, 2026-12-06, an Intel Xeon with AMX), the A100-13B
+roofline (``a100``) or any profile file (a path ending in ``.json``, e.g. ``--planner-profile auto``'s cached one).
+Every policy sees the same requests and classes (same seed). Prints, per profile and N, the median over seeds (and
+min) of throughput and mean-E2E ratios of ``nightjar:per-request`` against batch-level ``nightjar`` and against the
+best fixed γ (best by median throughput), and the share of decode rows per γ_i.
 
 ``--class-oracle`` adds a ceiling: every static split that gives each request class its own γ (class read from
 the simulator's draw, not learned; all (Γmax+1)^classes splits, the best by median throughput) against
@@ -119,6 +118,10 @@ def main() -> int:
     bad = unknown_profile(a.profiles.split(","))
     if bad:
         p.error(f"unknown profile {bad!r}: choose from {', '.join((*CPU_PROFILES, 'a100'))} or a profile .json file")
+    try:
+        profs = profiles(a.profiles.split(","))
+    except (OSError, ValueError, TypeError) as e:       # unreadable, not JSON, or not a profile's fields
+        p.error(f"cannot read a profile of {a.profiles!r}: {e}")
     mix = AcceptanceMix.parse(a.mix)
     policies = (*FIXED, BATCH, PER_ROW)
     rows = []
@@ -128,7 +131,7 @@ def main() -> int:
     print("| profile | N | best fixed | thr per-req / nightjar | thr per-req / best fixed | thr nightjar / best fixed "
           "| E2E per-req / nightjar | E2E per-req / best fixed | rows γ_i=0..4 (per-req) |" + oracle)
     print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if oracle else ""))
-    for pname, prof in profiles(a.profiles.split(",")).items():
+    for pname, prof in profs.items():
         for n in (int(x) for x in a.n.split(",")):
             cells = [run_cell(prof, n, s, mix, policies) for s in range(a.seeds)]
             thr = {q: [c[q][0] for c in cells] for q in policies}

@@ -23,3 +23,15 @@ def test_unknown_names_and_missing_files_are_refused(tmp_path):
     assert prs.unknown_profile(["cpu", "h100"]) == "h100"
     assert prs.unknown_profile([str(tmp_path / "absent.json")]) == str(tmp_path / "absent.json")
     assert prs.unknown_profile([str(tmp_path)]) == str(tmp_path)              # a directory, not a .json file
+
+
+def test_a_file_that_is_no_profile_exits_2_with_one_line(tmp_path):
+    import subprocess
+
+    script = Path(prs.__file__)
+    for text in ("{}", "not json"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        r = subprocess.run([sys.executable, str(script), "--profiles", str(bad)], capture_output=True, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert "cannot read a profile" in r.stderr.strip().splitlines()[-1]
