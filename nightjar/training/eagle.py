@@ -732,9 +732,10 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not Path(a.corpus).is_file():
         ap.error(f"--corpus {a.corpus}: no such file (python -m nightjar.training.answers writes one)")
-    for flag, v in (("--minutes", a.minutes), ("--vocab", a.vocab), ("--ttt", a.ttt), ("--batch", a.batch),
-                    ("--intermediate", a.intermediate or 1), ("--max-steps", a.max_steps or 1)):
-        if v <= 0:
+    sizes = [("--minutes", a.minutes), ("--vocab", a.vocab), ("--ttt", a.ttt), ("--batch", a.batch),
+             ("--intermediate", a.intermediate), ("--max-steps", a.max_steps)]
+    for flag, v in sizes:
+        if v is not None and v <= 0:
             ap.error(f"{flag} must be > 0, got {v}")
     if a.cache and Path(a.cache).exists() and not Path(a.cache).is_dir():
         ap.error(f"--cache {a.cache}: not a directory")

@@ -276,7 +276,9 @@ def test_the_training_cli_rejects_a_missing_corpus_and_a_bad_size_with_exit_2(tm
     for argv, said in ((["--corpus", str(tmp_path / "none.jsonl")], "no such file"),
                        (["--corpus", str(corpus), "--vocab", "0"], "--vocab must be > 0"),
                        (["--corpus", str(corpus), "--intermediate", "-1"], "--intermediate must be > 0"),
+                       (["--corpus", str(corpus), "--intermediate", "0"], "--intermediate must be > 0"),
                        (["--corpus", str(corpus), "--max-steps", "-5"], "--max-steps must be > 0"),
+                       (["--corpus", str(corpus), "--max-steps", "0"], "--max-steps must be > 0"),
                        (["--corpus", str(corpus), "--cache", str(corpus)], "not a directory")):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--out", str(tmp_path / "out")])
