@@ -82,11 +82,10 @@ def main(argv=None) -> None:
             ap.error(f"--head {h}: not a draft head directory (head_config.json + head.safetensors)")
     if a.prompts < 0 or a.steps < 1 or a.max_tokens < 1:
         ap.error("--prompts must be >= 0, --steps and --max-tokens >= 1")
-    if a.corpus and not Path(a.corpus).is_file():
-        ap.error(f"--corpus {a.corpus}: no such file")
+    cases = corpus_cases(ap, a) if a.corpus else None
     torch.set_grad_enabled(False)
     t = load_model(a.model, dtype=torch.bfloat16, pack=False)
-    cases = validation_answers(Path(a.corpus), a.prompts, a.max_tokens) if a.corpus else heldout_answers(t, a)
+    cases = cases if cases is not None else heldout_answers(t, a)
     for path in heads:
         head = load_head(path, t.model.cfg, torch.bfloat16)
         groups: dict[str, tuple[list[list[int]], list[int]]] = {}
@@ -110,6 +109,16 @@ def heldout_answers(t, a) -> list[tuple[str, list[int], list[int]]]:
                                max_new=a.max_tokens, log=lambda *_: None)
     return [(r["category"], p, ans if isinstance(ans, list) else ans["answer_ids"])
             for r, p, ans in zip(rows, prompts, answers)]
+
+
+def corpus_cases(ap, a) -> list[tuple[str, list[int], list[int]]]:
+    """``validation_answers`` of --corpus, or a one-line exit 2 when it is no answers corpus."""
+    if not Path(a.corpus).is_file():
+        ap.error(f"--corpus {a.corpus}: no such file")
+    try:
+        return validation_answers(Path(a.corpus), a.prompts, a.max_tokens)
+    except (ValueError, KeyError, TypeError) as e:      # not JSON lines, or records of another kind
+        ap.error(f"--corpus {a.corpus}: not an answers corpus ({type(e).__name__}: {e})")
 
 
 def validation_answers(corpus: Path, n: int, max_tokens: int) -> list[tuple[str, list[int], list[int]]]:

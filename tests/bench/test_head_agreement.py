@@ -55,7 +55,13 @@ def test_corpus_mode_reads_the_greedy_answers_of_the_validation_split_cut_to_max
     assert ha.validation_answers(corpus, 1, 4) == got[:1]
 
 
-def test_a_missing_corpus_exits_2(tmp_path, capsys):
+def test_a_missing_corpus_or_one_that_is_no_answers_corpus_exits_2_before_the_model_loads(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ha.main(["--head", str(HEAD), "--corpus", str(tmp_path / "none.jsonl")])
     assert e.value.code == 2 and "no such file" in capsys.readouterr().err
+    for text in ("not json\n", '{"id": "qa-0"}\n', "[1, 2]\n"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            ha.main(["--head", str(HEAD), "--corpus", str(bad), "--model", str(tmp_path / "no-model")])
+        assert e.value.code == 2 and "not an answers corpus" in capsys.readouterr().err
