@@ -43,7 +43,7 @@ def test_corpus_mode_reads_the_greedy_answers_of_the_validation_split_cut_to_max
     import json
 
     lines = []
-    for i in range(40):                                      # ids p-00 .. p-39: every 20th sorted id validates
+    for i in range(40):                                      # ids qa-00 .. tpl-39: every 20th sorted id validates
         for variant in ("greedy", "s0"):
             lines.append({"id": f"{'tpl' if i % 2 else 'qa'}-{i:02d}", "variant": variant, "prompt_ids": [1, i],
                           "answer_ids": list(range(10))})

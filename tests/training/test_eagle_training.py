@@ -306,3 +306,15 @@ def test_a_head_with_a_wider_mlp_saves_and_loads_with_its_width(tmp_path):
     back = load_head(tmp_path, cfg, torch.float32)
     assert back.mlp.up_proj.weight.shape == (3 * cfg.intermediate_size, 16)
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))
+
+
+def test_the_model_cards_reproduce_line_names_the_width_and_the_step_bound():
+    from argparse import Namespace
+
+    from nightjar.training.eagle import _extra_flags, _schedule_note
+
+    wide = Namespace(max_len=512, drop_oov=False, intermediate=3072, max_steps=4906)
+    assert _extra_flags(wide) == " --intermediate 3072 --max-steps 4906"
+    assert _schedule_note(wide).startswith("the learning-rate schedule follows steps")
+    plain = Namespace(max_len=512, drop_oov=False, intermediate=None, max_steps=None)
+    assert _extra_flags(plain) == "" and "follows wall time" in _schedule_note(plain)
