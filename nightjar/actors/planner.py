@@ -35,6 +35,13 @@ from nightjar.kernel.messages import (
 )
 
 
+def follows_on(rows, next_req_ids, took: float, step_time_s: float) -> bool:
+    """Whether a decode step's period ``took`` (seconds to the next StepScheduled, catch-up out) is its cost:
+    some of its decode ``rows`` go on in the next step and the period is under 3× its forward + 20 ms (else the
+    engine idled or waited between them)."""
+    return not rows.isdisjoint(next_req_ids) and 0.0 < took <= 3.0 * step_time_s + 0.02
+
+
 class Planner(Actor):
     name: ClassVar[str] = "planner"
     subscribes = (StepScheduled, StepTimed, DraftResidency, BlocksReserved, StepVerified)
@@ -189,7 +196,7 @@ class Planner(Actor):
         if prev is None or t is None or t.step != prev[0] or s.step != prev[0] + 1:
             return
         took = now - prev[1] - t.catchup_time_s
-        if prev[2].isdisjoint(s.req_ids) or not 0.0 < took <= 3.0 * t.step_time_s + 0.02:
+        if not follows_on(prev[2], s.req_ids, took, t.step_time_s):
             self.periods_skipped += 1
             return
         self.periods_used += 1

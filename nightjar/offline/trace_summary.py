@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+from nightjar.actors.planner import follows_on
 from nightjar.kernel.messages import (
     BlocksReserved,
     DraftOffloaded,
@@ -41,6 +42,7 @@ class Timeline:
     reloads: list[float] = field(default_factory=list)
     resizes: list[tuple[float, int]] = field(default_factory=list)           # (t, num_total)
     scheduled: dict[int, float] = field(default_factory=dict)                 # step → t of its StepScheduled
+    rows: dict[int, tuple[frozenset, tuple[int, ...]]] = field(default_factory=dict)   # step → (decode rows, all)
 
 
 def load_timeline(path: str, **reader_kw) -> Timeline:
@@ -57,6 +59,7 @@ def load_timeline(path: str, **reader_kw) -> Timeline:
                 tl.tokens.append((t, sum(m.counts)))
             case StepScheduled():
                 tl.scheduled[m.step] = t
+                tl.rows[m.step] = (frozenset(m.req_ids[:m.num_decode]), m.req_ids)
             case StepTimed():
                 tl.steps.append((t, m))
             case BlocksReserved():
@@ -114,10 +117,19 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _period(tl: Timeline, s: StepTimed) -> float | None:
+    """The step's wall-clock period less its catch-up, when the next step follows on from it (the planner's rule,
+    ``actors.planner.follows_on``: a row goes on and no idle gap), else None."""
+    if s.step not in tl.scheduled or s.step + 1 not in tl.scheduled or s.step not in tl.rows:
+        return None
+    took = tl.scheduled[s.step + 1] - tl.scheduled[s.step] - s.catchup_time_s
+    return took if follows_on(tl.rows[s.step][0], tl.rows[s.step + 1][1], took, s.step_time_s) else None
+
+
 def gamma_rows(tl: Timeline) -> list[dict]:
     """Per γ, over decode steps without prefill tokens: steps, tokens a step, mean step and draft-pass ms and,
-    over those whose next step was scheduled right after (step n+1), the wall-clock period per token (catch-up
-    taken out, as the planner learns it) and the median period outside the step (bus, hand-offs, bookkeeping)."""
+    over those the next step follows on from (``_period``), the wall-clock period per token (catch-up taken out,
+    as the planner learns it) and the median period outside the step (bus, hand-offs, bookkeeping)."""
     by: dict[int, list[StepTimed]] = {}
     for _, s in tl.steps:
         if s.batch_size > 0 and s.num_prefill_tokens == 0:
@@ -125,8 +137,7 @@ def gamma_rows(tl: Timeline) -> list[dict]:
     rows = []
     for g, ss in sorted(by.items()):
         tok = sum(s.tokens_emitted for s in ss)
-        per = [(tl.scheduled[s.step + 1] - tl.scheduled[s.step] - s.catchup_time_s, s) for s in ss
-               if s.step in tl.scheduled and s.step + 1 in tl.scheduled]
+        per = [(p, s) for s in ss if (p := _period(tl, s)) is not None]
         ptok = sum(s.tokens_emitted for _, s in per)
         rows.append({"gamma": g, "steps": len(ss), "tok_step": tok / len(ss),
                      "step_ms": 1e3 * sum(s.step_time_s for s in ss) / len(ss),
@@ -190,7 +201,8 @@ def cmd_summary(a: argparse.Namespace) -> int:
           f"({total / max(tl.t_end, 1e-9):.1f} tok/s), {len(tl.offloads)} offloads, {len(tl.reloads)} reloads")
     print(format_table(rows))
     if a.by_gamma:
-        print("\nby γ, decode steps without prefill (period: from the step's StepScheduled to the next one's)")
+        print("\nby γ, decode steps without prefill (period: from the step's StepScheduled to the next one's, "
+              "when that one follows on: a row goes on, no idle gap)")
         print(format_gamma_table(gamma_rows(tl)))
     if a.png:
         plot_timeline(tl, a.png, a.file)

@@ -193,16 +193,37 @@ def test_trace_summary_by_gamma_accounts_for_every_decode_step_and_its_period():
     _, envs, _ = read_trace(path)
     timed = [e.msg for e in envs if isinstance(e.msg, StepTimed) and e.msg.batch_size and not e.msg.num_prefill_tokens]
     sched = {e.msg.step: e.t for e in envs if isinstance(e.msg, StepScheduled)}
+    rows_of = {e.msg.step: e.msg.req_ids for e in envs if isinstance(e.msg, StepScheduled)}
+    decode_of = {e.msg.step: set(e.msg.req_ids[:e.msg.num_decode]) for e in envs if isinstance(e.msg, StepScheduled)}
     assert {r["gamma"]: r["steps"] for r in rows} == dict(Counter(s.gamma for s in timed))
     assert len(rows) >= 2                                            # the planner played more than one γ
     for r in rows:
         ss = [s for s in timed if s.gamma == r["gamma"]]
         assert r["tok_step"] == pytest.approx(sum(s.tokens_emitted for s in ss) / len(ss))
-        follow = [s for s in ss if s.step + 1 in sched]
+        took = {s.step: sched[s.step + 1] - sched[s.step] - s.catchup_time_s for s in ss if s.step + 1 in sched}
+        follow = [s for s in ss if s.step in took and decode_of[s.step] & set(rows_of[s.step + 1])
+                  and took[s.step] <= 3 * s.step_time_s + 0.02]
         if follow:                                                   # period: one StepScheduled to the next
-            per = sum(sched[s.step + 1] - sched[s.step] - s.catchup_time_s for s in follow)
+            per = sum(took[s.step] for s in follow)
             assert r["period_ms_tok"] == pytest.approx(1e3 * per / sum(s.tokens_emitted for s in follow))
             assert r["period_ms_tok"] * r["tok_step"] > 0.5 * r["step_ms"]     # a period holds its step
+
+
+def test_trace_summary_leaves_idle_gaps_and_new_rows_out_of_periods():
+    """A step after which the engine idled (the next step came 2 s later) or whose rows all finished is not a
+    period: at low load those gaps would swamp the per-token figure."""
+    from nightjar.offline.trace_summary import Timeline, gamma_rows
+
+    tl = Timeline()
+    timed = []
+    for step, (t, rows) in enumerate([(0.0, (1,)), (0.02, (1,)), (0.04, (1,)), (2.04, (2,)), (2.06, (2,))]):
+        tl.scheduled[step] = t
+        tl.rows[step] = (frozenset(rows), rows)
+        timed.append(StepTimed(step=step, batch_size=1, gamma=2, step_time_s=0.015, tokens_emitted=2))
+    tl.steps = [(tl.scheduled[s.step] + 0.015, s) for s in timed]
+    row, = gamma_rows(tl)
+    assert row["steps"] == 5                          # every step counts for tokens and step time ...
+    assert row["period_ms_tok"] == pytest.approx(10.0)    # ... only steps 0, 1 and 3 for the period: 20 ms / 2
 
 
 def test_trace_summary_prints_the_by_gamma_table(capsys):
