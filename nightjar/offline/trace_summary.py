@@ -1,9 +1,11 @@
-"""``nightjar trace summary FILE [--phases N] [--png OUT.png] [--by-gamma]``: what happened, phase by phase.
+"""``nightjar trace summary FILE [--phases N] [--png OUT.png] [--by-gamma] [--by-batch] [--min-steps K]``: what
+happened, phase by phase.
 
 Time is split into N equal windows (default 10). Per window: arrivals, output tokens/s, decode steps,
 mean batch size, γ distribution, acceptance rate (accepted / drafted), draft offloads/reloads, KV pool
 size and the lowest free-block count. ``--png`` draws batch size, γ, free KV blocks and draft residency
-against time (matplotlib, Agg). ``--by-gamma`` adds what each γ's decode-only steps cost (``gamma_rows``).
+against time (matplotlib, Agg). ``--by-gamma`` adds what each γ's decode-only steps cost (``gamma_rows``),
+``--by-batch`` the same per token at each batch size (``batch_rows``).
 """
 from __future__ import annotations
 
@@ -147,6 +149,33 @@ def gamma_rows(tl: Timeline) -> list[dict]:
     return rows
 
 
+def batch_rows(tl: Timeline, min_steps: int = 1) -> list[dict]:
+    """Per (batch size, γ), over decode steps without prefill tokens that the next step follows on from
+    (``_period``): steps, tokens a row and the wall-clock period per token (catch-up taken out), so that γs are
+    compared at the same batch size; pairs with fewer than ``min_steps`` such steps are left out."""
+    by: dict[tuple[int, int], list[tuple[float, StepTimed]]] = {}
+    for _, s in tl.steps:
+        if s.batch_size > 0 and s.num_prefill_tokens == 0 and (p := _period(tl, s)) is not None:
+            by.setdefault((s.batch_size, s.gamma), []).append((p, s))
+    rows = []
+    for (b, g), per in sorted(by.items()):
+        if len(per) < min_steps:
+            continue
+        tok = sum(s.tokens_emitted for _, s in per)
+        rows.append({"batch": b, "gamma": g, "steps": len(per), "tok_row": tok / (b * len(per)),
+                     "period_ms_tok": 1e3 * sum(p for p, _ in per) / tok if tok else None})
+    return rows
+
+
+def format_batch_table(rows: list[dict]) -> str:
+    head = f"{'B':>4} {'γ':>3} {'steps':>6} {'tok/row':>8} {'period ms/tok':>13}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        per = "-" if r["period_ms_tok"] is None else f"{r['period_ms_tok']:.3f}"
+        lines.append(f"{r['batch']:>4} {r['gamma']:>3} {r['steps']:>6} {r['tok_row']:>8.2f} {per:>13}")
+    return "\n".join(lines)
+
+
 def format_gamma_table(rows: list[dict]) -> str:
     head = (f"{'γ':>3} {'steps':>6} {'tok/step':>8} {'step ms':>8} {'draft ms':>8} {'period ms/tok':>13} "
             f"{'outside ms':>10}")
@@ -189,6 +218,16 @@ def plot_timeline(tl: Timeline, out: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return n
+
+
 def cmd_summary(a: argparse.Namespace) -> int:
     try:
         tl = load_timeline(a.file, allow_schema_drift=a.allow_schema_drift, allow_truncated=a.allow_truncated)
@@ -204,6 +243,10 @@ def cmd_summary(a: argparse.Namespace) -> int:
         print("\nby γ, decode steps without prefill (period: from the step's StepScheduled to the next one's, "
               "when that one follows on: a row goes on, no idle gap)")
         print(format_gamma_table(gamma_rows(tl)))
+    if a.by_batch:
+        print(f"\nby batch size and γ, decode steps without prefill that the next one follows on from "
+              f"(pairs with at least {a.min_steps} steps)")
+        print(format_batch_table(batch_rows(tl, a.min_steps)))
     if a.png:
         plot_timeline(tl, a.png, a.file)
         print(f"wrote {a.png}")
@@ -218,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--phases", type=int, default=10, help="number of equal time windows")
     s.add_argument("--png", default=None, help="write a timeline plot here")
     s.add_argument("--by-gamma", action="store_true", help="also what each γ's decode steps cost")
+    s.add_argument("--by-batch", action="store_true", help="also what each γ costs a token at each batch size")
+    s.add_argument("--min-steps", type=_positive, default=10, help="--by-batch: leave out pairs with fewer steps")
     s.add_argument("--allow-schema-drift", action="store_true")
     s.add_argument("--allow-truncated", action="store_true")
     s.set_defaults(func=cmd_summary)

@@ -226,6 +226,40 @@ def test_trace_summary_leaves_idle_gaps_and_new_rows_out_of_periods():
     assert row["period_ms_tok"] == pytest.approx(10.0)    # ... only steps 0, 1 and 3 for the period: 20 ms / 2
 
 
+def test_trace_summary_by_batch_compares_gammas_at_one_batch_size():
+    """Per (B, γ): tokens a row and period per token over the steps the next one follows on from."""
+    from nightjar.offline.trace_summary import Timeline, batch_rows
+
+    tl = Timeline()
+    plan = [(1, 2, 3), (1, 2, 3), (2, 4, 8), (2, 4, 6), (2, 0, 2), (2, 0, 2)]     # (B, γ, tokens) per step
+    t = 0.0
+    for step, (b, g, tok) in enumerate(plan + [(2, 0, 2)]):
+        rows = tuple(range(b))
+        tl.scheduled[step] = t
+        tl.rows[step] = (frozenset(rows), rows)
+        if step < len(plan):
+            tl.steps.append((t, StepTimed(step=step, batch_size=b, gamma=g, step_time_s=0.01, tokens_emitted=tok)))
+        t += 0.012
+    got = {(r["batch"], r["gamma"]): r for r in batch_rows(tl)}
+    assert set(got) == {(1, 2), (2, 4), (2, 0)}
+    assert got[(2, 4)]["steps"] == 2 and got[(2, 4)]["tok_row"] == pytest.approx(3.5)       # (8 + 6) / (2 rows · 2)
+    assert got[(2, 4)]["period_ms_tok"] == pytest.approx(24.0 / 14)
+    assert got[(2, 0)]["period_ms_tok"] == pytest.approx(6.0)
+    assert [r["gamma"] for r in batch_rows(tl, min_steps=3)] == []
+
+
+def test_trace_summary_prints_the_by_batch_table_and_refuses_a_bad_min_steps(capsys):
+    from nightjar.offline.trace_summary import main as trace_main
+
+    path = Path(__file__).parent / "replay" / "tiny_nightjar.njtrace"
+    assert trace_main(["summary", str(path), "--phases", "2", "--by-batch", "--min-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "by batch size and γ" in out and "tok/row" in out
+    with pytest.raises(SystemExit) as e:
+        trace_main(["summary", str(path), "--by-batch", "--min-steps", "0"])
+    assert e.value.code == 2 and "a positive integer" in capsys.readouterr().err
+
+
 def test_trace_summary_prints_the_by_gamma_table(capsys):
     from nightjar.offline.trace_summary import main as trace_main
 
