@@ -10,6 +10,7 @@ import sys
 import time
 
 from nightjar.actors.control import ControlBuildError
+from nightjar.argtypes import positive
 from nightjar.config_check import check_config
 from nightjar.engine_args import add_engine_args, engine_kwargs
 from nightjar.kernel.config import EngineConfig
@@ -94,32 +95,19 @@ def _serve_cluster(a: argparse.Namespace) -> int:
 
 def _cluster_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("replicas (Ray Serve; needs the [ray] extra)")
-    g.add_argument("--replicas", type=_positive(int), default=None, metavar="N",
+    g.add_argument("--replicas", type=positive(int), default=None, metavar="N",
                    help="serve N engine replicas behind one endpoint on Ray Serve (num_replicas)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (e.g. auto, or head-ip:6379) instead of starting a local one")
     g.add_argument("--min-replicas", type=int, default=None, metavar="N",
                    help="autoscale between --min-replicas and --max-replicas on ongoing requests")
     g.add_argument("--max-replicas", type=int, default=None, metavar="N")
-    g.add_argument("--target-ongoing-requests", type=_positive(float), default=16.0, metavar="N",
+    g.add_argument("--target-ongoing-requests", type=positive(float), default=16.0, metavar="N",
                    help="autoscaling target of ongoing requests per replica (default 16)")
-    g.add_argument("--max-ongoing-requests", type=_positive(int), default=64, metavar="N",
+    g.add_argument("--max-ongoing-requests", type=positive(int), default=64, metavar="N",
                    help="requests Serve sends one replica at once (default 64)")
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs per replica (default 1)")
     g.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="GPUs per replica (default 0)")
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
 
 
 CLIENT_LIMITS = {"header_timeout": 10.0, "body_timeout": 30.0, "max_connections": 512, "keepalive_timeout": 75.0}
@@ -133,14 +121,14 @@ def _server_args(s: argparse.ArgumentParser) -> None:
                         "the process list (ps); prefer the NIGHTJAR_API_KEY environment variable, which is read "
                         "when this flag is absent")
     g = s.add_argument_group("client limits")
-    g.add_argument("--header-timeout", type=_positive(float), default=CLIENT_LIMITS["header_timeout"], metavar="S",
+    g.add_argument("--header-timeout", type=positive(float), default=CLIENT_LIMITS["header_timeout"], metavar="S",
                    help="seconds from a request's first byte to its complete head; slower clients are dropped "
                         "(default 10)")
-    g.add_argument("--body-timeout", type=_positive(float), default=CLIENT_LIMITS["body_timeout"], metavar="S",
+    g.add_argument("--body-timeout", type=positive(float), default=CLIENT_LIMITS["body_timeout"], metavar="S",
                    help="seconds to receive a request body; slower clients get a 408 and are dropped (default 30)")
-    g.add_argument("--max-connections", type=_positive(int), default=CLIENT_LIMITS["max_connections"], metavar="N",
+    g.add_argument("--max-connections", type=positive(int), default=CLIENT_LIMITS["max_connections"], metavar="N",
                    help="open client connections; more get a 503 and are closed (default 512)")
-    g.add_argument("--keepalive-timeout", type=_positive(float), default=CLIENT_LIMITS["keepalive_timeout"],
+    g.add_argument("--keepalive-timeout", type=positive(float), default=CLIENT_LIMITS["keepalive_timeout"],
                    metavar="S",
                    help="seconds an idle keep-alive connection stays open (default 75)")
 

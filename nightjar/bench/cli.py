@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from nightjar.argtypes import positive
 from nightjar.bench.datasets import DATASETS, DatasetError
 from nightjar.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
 from nightjar.bench.runner import BenchOptions
@@ -23,26 +24,17 @@ def _rate(text: str) -> float:
     return v
 
 
-def _positive(kind):
-    def conv(text: str):
-        v = kind(text)
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-    return conv
-
-
 def add_load_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="prompts", choices=DATASETS)
     d.add_argument("--dataset-path", default=None, help="custom: a JSONL file of {\"prompt\", \"max_tokens\"?}")
     d.add_argument("--split", default="auto", choices=["auto", "heldout", "train", "all"],
                    help="bundled prompts: auto = heldout if it has enough prompts, else all")
-    d.add_argument("--num-prompts", type=_positive(int), default=None,
+    d.add_argument("--num-prompts", type=positive(int), default=None,
                    help="requests to send (default 200; with --trace: cap on the trace's arrivals)")
-    d.add_argument("--output-len", type=_positive(int), default=None, help="override every request's max_tokens")
-    d.add_argument("--random-input-len", type=_positive(int), default=128)
-    d.add_argument("--random-output-len", type=_positive(int), default=128)
+    d.add_argument("--output-len", type=positive(int), default=None, help="override every request's max_tokens")
+    d.add_argument("--random-input-len", type=positive(int), default=128)
+    d.add_argument("--random-output-len", type=positive(int), default=128)
     d.add_argument("--random-range-ratio", type=float, default=0.0)
     d.add_argument("--tokenizer", default="auto",
                    help="for prompt lengths: auto (the pulled SmolLM2 GGUF), words (1.3 tok/word), or a path")
@@ -51,15 +43,15 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", type=_rate, default=math.inf, help="req/s (Poisson/gamma) or inf")
-    a.add_argument("--burstiness", type=_positive(float), default=1.0,
+    a.add_argument("--burstiness", type=positive(float), default=1.0,
                    help="gamma shape: 1 = Poisson, < 1 burstier; θ = 1/(rate·burstiness)")
     a.add_argument("--trace", default=None, help="phased schedule JSON (or a shipped name: spike, oscillation, ...)")
-    a.add_argument("--trace-rate-scale", type=_positive(float), default=1.0, help="multiply every phase's rate")
-    a.add_argument("--trace-time-scale", type=_positive(float), default=1.0, help="multiply every phase's duration")
-    a.add_argument("--closed-loop", type=_positive(int), default=None, metavar="N",
+    a.add_argument("--trace-rate-scale", type=positive(float), default=1.0, help="multiply every phase's rate")
+    a.add_argument("--trace-time-scale", type=positive(float), default=1.0, help="multiply every phase's duration")
+    a.add_argument("--closed-loop", type=positive(int), default=None, metavar="N",
                    help="N clients, each sending its next request when the previous one ends")
-    a.add_argument("--duration", type=_positive(float), default=None, help="closed loop: seconds (default 60)")
-    a.add_argument("--max-concurrency", type=_positive(int), default=None)
+    a.add_argument("--duration", type=positive(float), default=None, help="closed loop: seconds (default 60)")
+    a.add_argument("--max-concurrency", type=positive(int), default=None)
     r = p.add_argument_group("requests")
     r.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")
     r.add_argument("--endpoint-type", default="chat", choices=["chat", "completions"])
@@ -67,7 +59,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--ignore-eos", action="store_true")
     r.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     r.add_argument("--api-key", default=None)
-    r.add_argument("--request-timeout", type=_positive(float), default=600.0)
+    r.add_argument("--request-timeout", type=positive(float), default=600.0)
     r.add_argument("--num-warmups", type=int, default=None, help="unmeasured requests first (serve 0, compare 1)")
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
@@ -232,15 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="several policies on the same arrivals, each on a fresh server")
     c.add_argument("--policies", required=True, help="comma-separated, e.g. off,fixed:2,fixed:4,nightjar; an "
                    "entry POLICY@FLAGS adds server flags for it alone, e.g. nightjar@--quantization int4")
-    c.add_argument("--repeats", type=_positive(int), default=3)
+    c.add_argument("--repeats", type=positive(int), default=3)
     c.add_argument("--runs-dir", default=None, help="save every run's full JSON and PNG here")
     add_load_args(c)
     _server_args(c, False)
     c.set_defaults(func=cmd_compare)
     t = sub.add_parser("trace-info", help="print the phases of trace files")
     t.add_argument("traces", nargs="+")
-    t.add_argument("--trace-rate-scale", type=_positive(float), default=1.0)
-    t.add_argument("--trace-time-scale", type=_positive(float), default=1.0)
+    t.add_argument("--trace-rate-scale", type=positive(float), default=1.0)
+    t.add_argument("--trace-time-scale", type=positive(float), default=1.0)
     t.set_defaults(func=cmd_trace_info)
     return p
 

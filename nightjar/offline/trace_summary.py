@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nightjar.actors.planner import follows_on
+from nightjar.argtypes import positive
 from nightjar.kernel.messages import (
     BlocksReserved,
     DraftOffloaded,
@@ -218,16 +219,6 @@ def plot_timeline(tl: Timeline, out: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
-    return n
-
-
 def cmd_summary(a: argparse.Namespace) -> int:
     try:
         tl = load_timeline(a.file, allow_schema_drift=a.allow_schema_drift, allow_truncated=a.allow_truncated)
@@ -262,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--png", default=None, help="write a timeline plot here")
     s.add_argument("--by-gamma", action="store_true", help="also what each γ's decode steps cost")
     s.add_argument("--by-batch", action="store_true", help="also what each γ costs a token at each batch size")
-    s.add_argument("--min-steps", type=_positive, default=10, help="--by-batch: leave out pairs with fewer steps")
+    s.add_argument("--min-steps", type=positive(int), default=10, help="--by-batch: leave out pairs with fewer steps")
     s.add_argument("--allow-schema-drift", action="store_true")
     s.add_argument("--allow-truncated", action="store_true")
     s.set_defaults(func=cmd_summary)

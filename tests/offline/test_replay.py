@@ -257,7 +257,7 @@ def test_trace_summary_prints_the_by_batch_table_and_refuses_a_bad_min_steps(cap
     assert "by batch size and γ" in out and "tok/row" in out
     with pytest.raises(SystemExit) as e:
         trace_main(["summary", str(path), "--by-batch", "--min-steps", "0"])
-    assert e.value.code == 2 and "a positive integer" in capsys.readouterr().err
+    assert e.value.code == 2 and "must be > 0: '0'" in capsys.readouterr().err
 
 
 def test_trace_summary_prints_the_by_gamma_table(capsys):
