@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("summary", help="per-phase table (and a PNG timeline)")
     s.add_argument("file")
-    s.add_argument("--phases", type=int, default=10, help="number of equal time windows")
+    s.add_argument("--phases", type=positive(int), default=10, help="number of equal time windows")
     s.add_argument("--png", default=None, help="write a timeline plot here")
     s.add_argument("--by-gamma", action="store_true", help="also what each γ's decode steps cost")
     s.add_argument("--by-batch", action="store_true", help="also what each γ costs a token at each batch size")

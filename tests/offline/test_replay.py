@@ -258,6 +258,9 @@ def test_trace_summary_prints_the_by_batch_table_and_refuses_a_bad_min_steps(cap
     with pytest.raises(SystemExit) as e:
         trace_main(["summary", str(path), "--by-batch", "--min-steps", "0"])
     assert e.value.code == 2 and "must be > 0: '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:                        # no windows: an empty table before, now a usage error
+        trace_main(["summary", str(path), "--phases", "0"])
+    assert e.value.code == 2 and "--phases: must be > 0: '0'" in capsys.readouterr().err
 
 
 def test_trace_summary_prints_the_by_gamma_table(capsys):
