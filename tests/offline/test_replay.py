@@ -248,7 +248,7 @@ def test_trace_summary_by_batch_compares_gammas_at_one_batch_size():
     assert [r["gamma"] for r in batch_rows(tl, min_steps=3)] == []
 
 
-def test_trace_summary_prints_the_by_batch_table_and_refuses_a_bad_min_steps(capsys):
+def test_trace_summary_prints_the_by_batch_table_and_refuses_a_bad_min_steps_or_phases(capsys):
     from nightjar.offline.trace_summary import main as trace_main
 
     path = Path(__file__).parent / "replay" / "tiny_nightjar.njtrace"
