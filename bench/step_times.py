@@ -16,6 +16,7 @@ noisy machine slows them alike:
   int8, int4  ``served`` with ``--quantization int8|int4`` (layers quantized, the LM head an int8 copy)
   int8-bf16head, int4-bf16head  the same with the LM head left in the dtype (oneDNN-packed, as before QuantHead)
   int4-torchmm  ``int4`` with torch's packed int4 kernel in place of the fused ``int4_linear`` (as before it)
+  int4-vector  ``int4`` with ``int4_linear`` on its AVX-512 kernel where it would run on AMX tiles (as before them)
 With several variants the table prints each one's median and its ratio to the first.
 
 The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);
@@ -36,7 +37,7 @@ from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
 
 QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int8-bf16head": ("int8", False),
-             "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True)}
+             "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True), "int4-vector": ("int4", True)}
 VARIANTS = ("plain", "fused", "served", "torch", "modules", "unpadded", *QUANTIZED)
 
 
@@ -70,6 +71,7 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
     for name in names:
         if name in QUANTIZED:
             models[name] = quantized_variant(cfg, state, dtype, device, *QUANTIZED[name], name.endswith("torchmm"))
+            models[name].amx = name != "int4-vector"
             continue
         model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
         if name in ("served", "torch", "modules", "unpadded"):
@@ -111,6 +113,7 @@ class Step:
         self.device = device
 
     def time(self, model) -> float:
+        _select_amx(getattr(model, "amx", True))
         _sync(self.device)
         t0 = time.perf_counter()
         model(self.lay, self.cache)
@@ -163,6 +166,14 @@ def main(argv=None) -> None:
         q1 = row[qs[0]]
         cells += [f"{q1[n] / q1[names[0]]:.2f}x" for n in names[1:]] + [f"{q1[names[-1]] / floor:.2f}x"]
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _select_amx(on: bool) -> None:
+    """int4_linear on AMX tiles where it can (``on``) or on its vector kernel, for the variant about to run."""
+    from nightjar.models import cpu_fused
+
+    if cpu_fused.available():
+        torch.ops.nightjar_cpu.use_amx(on)
 
 
 def _unread_bytes(model) -> int:

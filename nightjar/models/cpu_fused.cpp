@@ -13,6 +13,7 @@
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
 //   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 (the int8 LM head of a quantized model)
 //   int4_linear     x [M, K] @ W^T, W in torch's int4 pack + group scales -> [M, N] (an int4 layer's short calls)
+//                   (bf16 x on AMX tiles where the CPU has them and Linux grants them; use_amx(False) turns that off)
 // Every op that computes values accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,8 +23,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -697,10 +703,43 @@ inline void int4_tile(const float* x, const float* xs, const uint8_t* blk, const
 // The same for bf16 x, two inputs per vdpbf16ps: a column pair's codes q become the bf16 numbers 128 + q (bits
 // 0x4300 | q, exact), interleaved per row; then y += s * acc + (z - 8 s - 128 s) * (the group's sum of x).
 // Lanes of the four accumulators hold rows {0-7, 16-23}, {8-15, 24-31}, {32-39, 48-55}, {40-47, 56-63}.
+
+// columns c, c + 1 of a block (64 bytes at src) -> w[r]: (128 + q[c], 128 + q[c + 1]) as bf16 pairs, one per
+// output row of accumulator r's lanes
+inline void codes_pair_bf16(const uint8_t* src, __m512bh* w) {
+  const __m512i m = _mm512_set1_epi8(15), bias = _mm512_set1_epi16(0x4300);
+  const __m512i raw = _mm512_loadu_si512(src);
+  const __m512i lo = _mm512_and_si512(raw, m), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m);
+  const __m256i l0 = _mm512_castsi512_si256(lo), l1 = _mm512_extracti64x4_epi64(lo, 1);
+  const __m256i h0 = _mm512_castsi512_si256(hi), h1 = _mm512_extracti64x4_epi64(hi, 1);
+  w[0] = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(l0, l1)), bias);
+  w[1] = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(l0, l1)), bias);
+  w[2] = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(h0, h1)), bias);
+  w[3] = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(h0, h1)), bias);
+}
+
+// one group's four accumulators (a[r]: lanes as above) -> y[r] += rows * s + xsum * zp, rows in output order
+inline void int4_group_out(const v16* a, const v16* s, const v16* zp, float xsum, v16* y) {
+  const v16 rows[4] = {
+      __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+      __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31),
+      __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+      __builtin_shufflevector(a[2], a[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)};
+  for (int r = 0; r < 4; ++r) y[r] += rows[r] * s[r] + xsum * zp[r];
+}
+
+// group gi's scales of a block as s and z - 8 s - 128 s (the codes are 128 + q)
+template <typename S>
+inline void bf16_scales(const S* sz, int64_t gi, int64_t N, v16* s, v16* zp) {
+  for (int r = 0; r < 4; ++r) {
+    load_scales(sz + (gi * N + 16 * r) * 2, s[r], zp[r]);
+    zp[r] -= 128.f * s[r];
+  }
+}
+
 template <int R, typename S>
 inline void int4_tile_bf16(const c10::BFloat16* x, const float* xs, const uint8_t* blk, const S* sz, int64_t K,
                            int64_t G, int64_t g, int64_t N, v16 (*y)[4]) {
-  const __m512i m = _mm512_set1_epi8(15), bias = _mm512_set1_epi16(0x4300);
   for (int i = 0; i < R; ++i)
     for (int r = 0; r < 4; ++r) y[i][r] = v16{};
   for (int64_t gi = 0; gi < G; ++gi) {
@@ -708,15 +747,8 @@ inline void int4_tile_bf16(const c10::BFloat16* x, const float* xs, const uint8_
     for (int i = 0; i < R; ++i)
       for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
     for (int64_t c = gi * g; c < (gi + 1) * g; c += 2) {
-      const __m512i raw = _mm512_loadu_si512(blk + c * 32);              // columns c, c + 1
-      const __m512i lo = _mm512_and_si512(raw, m), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m);
-      const __m256i l0 = _mm512_castsi512_si256(lo), l1 = _mm512_extracti64x4_epi64(lo, 1);
-      const __m256i h0 = _mm512_castsi512_si256(hi), h1 = _mm512_extracti64x4_epi64(hi, 1);
-      const __m512bh w[4] = {
-          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(l0, l1)), bias),
-          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(l0, l1)), bias),
-          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(h0, h1)), bias),
-          (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(h0, h1)), bias)};
+      __m512bh w[4];
+      codes_pair_bf16(blk + c * 32, w);                                  // columns c, c + 1
       for (int i = 0; i < R; ++i) {
         int32_t pair;
         std::memcpy(&pair, x + i * K + c, sizeof pair);
@@ -725,20 +757,120 @@ inline void int4_tile_bf16(const c10::BFloat16* x, const float* xs, const uint8_
       }
     }
     v16 s[4], zp[4];
-    for (int r = 0; r < 4; ++r) {
-      load_scales(sz + (gi * N + 16 * r) * 2, s[r], zp[r]);
-      zp[r] -= 128.f * s[r];
-    }
+    bf16_scales(sz, gi, N, s, zp);
     for (int i = 0; i < R; ++i) {
-      const v16 a0 = (v16)acc[i][0], a1 = (v16)acc[i][1], a2 = (v16)acc[i][2], a3 = (v16)acc[i][3];
-      const v16 rows[4] = {
-          __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-          __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31),
-          __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-          __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)};
-      for (int r = 0; r < 4; ++r) y[i][r] += rows[r] * s[r] + xs[i * G + gi] * zp[r];
+      const v16 a[4] = {(v16)acc[i][0], (v16)acc[i][1], (v16)acc[i][2], (v16)acc[i][3]};
+      int4_group_out(a, s, zp, xs[i * G + gi], y[i]);
     }
   }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- the same on AMX tiles (bf16 x, groups of 32k inputs): the dot products leave the vector ports ----------
+// Per block and group the codes are widened once, as int4_tile_bf16 does, into B tiles (16 column pairs x 16
+// outputs, one tile per accumulator r); every 16-row tile of x (A) then takes four tdpbf16ps into C tiles that
+// hold exactly int4_tile_bf16's accumulators, and the same per-group epilogue. A row's numbers depend only on
+// its own x, never on M or the other rows (rows past M in the last tile are zeros, computed and dropped).
+// Linux grants a process the tile state on request (arch_prctl); where it refuses, the vector kernel serves.
+bool amx_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+std::atomic<bool> amx_wanted{true};     // use_amx(False): the vector kernel serves (benchmarks, tests)
+#endif
+
+// use_amx(on) -> whether int4_linear's bf16 calls run on AMX tiles from now on (False where the machine, the
+// build or the kernel cannot)
+bool use_amx(bool on) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  amx_wanted = on;
+  return on && amx_granted();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-6: B (16 pairs x 16 outputs x 2 bf16)
+void amx_configure(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 7; ++t) {
+    c.rows[t] = t < 5 ? rows : 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// One 64-output block over all groups for x [Mp, K] (Mp a multiple of rows, or rows = Mp) -> yacc [Mp, 64]
+template <typename S>
+void int4_block_amx(const c10::BFloat16* x, const float* xs, const uint8_t* blk, const S* sz, int64_t M,
+                    int64_t rows, int64_t K, int64_t G, int64_t g, int64_t N, uint16_t* bt, float* ct, v16* yacc) {
+  const int64_t chunks = g / 32;                                 // B tiles of 32 inputs per group
+  for (int64_t i = 0; i < M * 4; ++i) yacc[i] = v16{};
+  for (int64_t gi = 0; gi < G; ++gi) {
+    for (int64_t k = 0; k < chunks; ++k)
+      for (int64_t p = 0; p < 16; ++p) {
+        __m512bh w[4];
+        codes_pair_bf16(blk + (gi * g + 32 * k + 2 * p) * 32, w);
+        for (int r = 0; r < 4; ++r) _mm512_storeu_si512(bt + ((k * 4 + r) * 16 + p) * 32, (__m512i)w[r]);
+      }
+    v16 s[4], zp[4];
+    bf16_scales(sz, gi, N, s, zp);
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t k = 0; k < chunks; ++k) {
+        _tile_loadd(4, x + m0 * K + gi * g + 32 * k, K * 2);
+        const uint16_t* b = bt + k * 4 * 16 * 32;
+        _tile_loadd(5, b, 64); _tile_loadd(6, b + 16 * 32, 64);
+        _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, b + 2 * 16 * 32, 64); _tile_loadd(6, b + 3 * 16 * 32, 64);
+        _tile_dpbf16ps(2, 4, 5); _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64);
+      _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
+      for (int64_t i = 0; i < rows && m0 + i < M; ++i) {
+        v16 a[4];
+        for (int r = 0; r < 4; ++r) std::memcpy(&a[r], ct + r * 256 + i * 16, sizeof(v16));
+        int4_group_out(a, s, zp, xs[(m0 + i) * G + gi], yacc + (m0 + i) * 4);
+      }
+    }
+  }
+}
+
+// int4_linear for bf16 x on AMX: y [M, N] bf16
+template <typename S>
+void int4_linear_amx(const c10::BFloat16* px, const float* xs, const uint8_t* pq, const S* sz, c10::BFloat16* py,
+                     int64_t M, int64_t K, int64_t G, int64_t g, int64_t N) {
+  const int64_t rows = std::min<int64_t>(M, 16), Mp = (M + rows - 1) / rows * rows;
+  std::vector<c10::BFloat16> padded;
+  const c10::BFloat16* x = px;
+  if (Mp != M) {                                                 // the last tile's missing rows: zeros
+    padded.assign(Mp * K, c10::BFloat16(0.f));
+    std::memcpy(padded.data(), px, M * K * sizeof(c10::BFloat16));
+    x = padded.data();
+  }
+  at::parallel_for(0, N / 64, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<uint16_t> bt(g / 32 * 4 * 16 * 32);
+    std::vector<float> ct(4 * 256);
+    std::vector<v16> yacc(M * 4);
+    amx_configure(static_cast<int>(rows));
+    for (int64_t b = lo; b < hi; ++b) {
+      int4_block_amx(x, xs, pq + b * K * 32, sz + b * 64 * 2, M, rows, K, G, g, N, bt.data(), ct.data(), yacc.data());
+      for (int64_t i = 0; i < M; ++i)
+        for (int r = 0; r < 4; ++r) store16(yacc[i * 4 + r], py + i * N + b * 64 + 16 * r);
+    }
+    _tile_release();
+  });
 }
 #endif
 
@@ -776,6 +908,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
         xs[m * G + gi] = s;
       }
     auto run = [&](const auto* ps) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (group % 32 == 0 && amx_wanted && amx_granted()) {
+          int4_linear_amx(px, xs.data(), pq, ps, py, M, K, G, group, N);
+          return;
+        }
+      }
+#endif
       at::parallel_for(0, N / 64, 1, [&](int64_t lo, int64_t hi) {
         v16 out[MT4][4];
         for (int64_t b = lo; b < hi; ++b)
@@ -865,6 +1005,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
+  m.def("use_amx(bool on) -> bool", use_amx);           // no tensor: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {

@@ -18,7 +18,10 @@ the activations' dtype) and runs one dense GEMM instead.
 Where the fused CPU ops build, an int4 layer runs ``int4_linear`` (models/cpu_fused.cpp) on the same packed
 weight up to ``FUSED_INT4_MAX_ROWS`` rows instead of torch's kernel: one decode of a 64-row block serves up to
 6 rows of x (with bf16 activations on an AVX512-BF16 CPU, two inputs per dot product; fp32 FMA otherwise), so
-its time grows far more slowly in M, and a row's outputs never depend on the step's other rows.
+its time grows far more slowly in M, and a row's outputs never depend on the step's other rows. Where the CPU
+has AMX and Linux grants the process its tiles, bf16 calls of every M run on them instead (a block's decoded
+codes feed tile dot products for 16 rows at a time): 0.85x the vector kernel's speed at one row, 1.8x at 5,
+3.6x at 16 (docs/benchmarks.md).
 
 The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per row) run by the fused CPU op
 ``int8_linear``, whose rows never depend on the step's other rows; where that op does not build, the head

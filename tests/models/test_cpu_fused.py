@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,6 +339,34 @@ def test_int4_linear_matches_the_dequantized_weight_and_a_row_never_depends_on_t
         for start in range(0, m - rows + 1, 3):
             assert torch.equal(ops.int4_linear(x[start:start + rows].contiguous(), layer.qweight, layer.scales, group),
                                y[start:start + rows])
+
+
+def _amx_present() -> bool:
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    return all(f in flags.split() for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_int4_linear_on_either_kernel_matches_and_keeps_rows_apart_past_one_tile(ops, amx):
+    """bf16 calls run on AMX tiles where the machine has them (``use_amx``), else on the vector kernel; both match
+    the dequantized weight, and a row's bits never depend on M, also past one 16-row tile (a zero-padded last
+    tile) and for groups of two tile widths."""
+    on = ops.use_amx(amx)
+    try:
+        assert on == (amx and _amx_present())
+        for n, k, group in ((192, 576, 32), (128, 256, 64)):
+            layer = _int4_layer(n, k, group, torch.bfloat16)
+            x = torch.randn(37, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+            y = ops.int4_linear(x, layer.qweight, layer.scales, group)
+            sz = layer.scales.double().transpose(0, 1)
+            w = (layer.codes().double().view(n, k // group, group) - 8) * sz[..., :1] + sz[..., 1:]
+            ref = x.double() @ w.view(n, k).T
+            assert ((y.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max()).all()
+            for start, rows in ((0, 1), (5, 16), (3, 17), (20, 17), (0, 33), (4, 5)):
+                part = ops.int4_linear(x[start:start + rows].contiguous(), layer.qweight, layer.scales, group)
+                assert torch.equal(part, y[start:start + rows])
+    finally:
+        ops.use_amx(True)
 
 
 def test_int4_linear_serves_quantized_layers_and_agrees_with_torchs_kernel(ops):
