@@ -811,31 +811,44 @@ void amx_configure(int rows) {
   _tile_loadconfig(&c);
 }
 
-// One 64-output block over all groups for x [Mp, K] (Mp a multiple of rows, or rows = Mp) -> yacc [Mp, 64]
+// group gi's codes of a block -> its B tiles at bg (per 32-input chunk k, accumulator r: 16 pairs x 64 bytes)
+inline void int4_b_tiles(const uint8_t* blk, int64_t gi, int64_t g, uint16_t* bg) {
+  for (int64_t k = 0; k < g / 32; ++k)
+    for (int64_t p = 0; p < 16; ++p) {
+      __m512bh w[4];
+      codes_pair_bf16(blk + (gi * g + 32 * k + 2 * p) * 32, w);
+      for (int r = 0; r < 4; ++r) _mm512_storeu_si512(bg + ((k * 4 + r) * 16 + p) * 32, (__m512i)w[r]);
+    }
+}
+
+// tiles 0-3 = the rows of x at xr (row stride K) times one group's B tiles at bg (chunks of 32 inputs)
+inline void int4_tile_dots(const c10::BFloat16* xr, int64_t K, const uint16_t* bg, int64_t chunks) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t k = 0; k < chunks; ++k) {
+    const uint16_t* b = bg + k * 4 * 16 * 32;
+    _tile_loadd(4, xr + 32 * k, K * 2);
+    _tile_loadd(5, b, 64); _tile_loadd(6, b + 16 * 32, 64);
+    _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, b + 2 * 16 * 32, 64); _tile_loadd(6, b + 3 * 16 * 32, 64);
+    _tile_dpbf16ps(2, 4, 5); _tile_dpbf16ps(3, 4, 6);
+  }
+}
+
+// One 64-output block over all groups for x [Mp, K] (Mp a multiple of rows, or rows = Mp) -> yacc [M, 64].
+// Software-pipelined: the next group's codes are widened (into the other half of bt) while the tiles compute.
 template <typename S>
 void int4_block_amx(const c10::BFloat16* x, const float* xs, const uint8_t* blk, const S* sz, int64_t M,
                     int64_t rows, int64_t K, int64_t G, int64_t g, int64_t N, uint16_t* bt, float* ct, v16* yacc) {
-  const int64_t chunks = g / 32;                                 // B tiles of 32 inputs per group
+  const int64_t chunks = g / 32, half = chunks * 4 * 16 * 32;
   for (int64_t i = 0; i < M * 4; ++i) yacc[i] = v16{};
+  int4_b_tiles(blk, 0, g, bt);
   for (int64_t gi = 0; gi < G; ++gi) {
-    for (int64_t k = 0; k < chunks; ++k)
-      for (int64_t p = 0; p < 16; ++p) {
-        __m512bh w[4];
-        codes_pair_bf16(blk + (gi * g + 32 * k + 2 * p) * 32, w);
-        for (int r = 0; r < 4; ++r) _mm512_storeu_si512(bt + ((k * 4 + r) * 16 + p) * 32, (__m512i)w[r]);
-      }
+    const uint16_t* bg = bt + (gi & 1) * half;
     v16 s[4], zp[4];
     bf16_scales(sz, gi, N, s, zp);
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
-      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      for (int64_t k = 0; k < chunks; ++k) {
-        _tile_loadd(4, x + m0 * K + gi * g + 32 * k, K * 2);
-        const uint16_t* b = bt + k * 4 * 16 * 32;
-        _tile_loadd(5, b, 64); _tile_loadd(6, b + 16 * 32, 64);
-        _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, b + 2 * 16 * 32, 64); _tile_loadd(6, b + 3 * 16 * 32, 64);
-        _tile_dpbf16ps(2, 4, 5); _tile_dpbf16ps(3, 4, 6);
-      }
+      int4_tile_dots(x + m0 * K + gi * g, K, bg, chunks);
+      if (m0 == 0 && gi + 1 < G) int4_b_tiles(blk, gi + 1, g, bt + ((gi + 1) & 1) * half);
       _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64);
       _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
       for (int64_t i = 0; i < rows && m0 + i < M; ++i) {
@@ -860,7 +873,7 @@ void int4_linear_amx(const c10::BFloat16* px, const float* xs, const uint8_t* pq
     x = padded.data();
   }
   at::parallel_for(0, N / 64, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<uint16_t> bt(g / 32 * 4 * 16 * 32);
+    std::vector<uint16_t> bt(2 * g / 32 * 4 * 16 * 32);
     std::vector<float> ct(4 * 256);
     std::vector<v16> yacc(M * 4);
     amx_configure(static_cast<int>(rows));
