@@ -16,7 +16,8 @@ noisy machine slows them alike:
   int8, int4  ``served`` with ``--quantization int8|int4`` (layers quantized, the LM head an int8 copy)
   int8-bf16head, int4-bf16head  the same with the LM head left in the dtype (oneDNN-packed, as before QuantHead)
   int4-torchmm  ``int4`` with torch's packed int4 kernel in place of the fused ``int4_linear`` (as before it)
-  int4-vector  ``int4`` with ``int4_linear`` on its AVX-512 kernel where it would run on AMX tiles (as before them)
+  int4-vector  ``int4`` with ``int4_linear`` and the int8 head on their AVX-512 kernels where they would run on
+               AMX tiles (as before them)
 With several variants the table prints each one's median and its ratio to the first.
 
 The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);

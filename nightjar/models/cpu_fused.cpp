@@ -13,7 +13,8 @@
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
 //   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 (the int8 LM head of a quantized model)
 //   int4_linear     x [M, K] @ W^T, W in torch's int4 pack + group scales -> [M, N] (an int4 layer's short calls)
-//                   (bf16 x on AMX tiles where the CPU has them and Linux grants them; use_amx(False) turns that off)
+//   (int8_linear and int4_linear take bf16 x on AMX tiles where the CPU has them and Linux grants them;
+//   use_amx(False) turns that off)
 // Every op that computes values accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -481,6 +482,37 @@ at::Tensor int4_weight_t(const at::Tensor& qweight, const at::Tensor& sz, int64_
   return out;
 }
 
+// ---- AMX tiles (Sapphire Rapids and later): bf16 dot products off the vector ports ---------------------------
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Linux grants a process the tile state on request (arch_prctl); where it refuses, the vector kernels serve.
+bool amx_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+std::atomic<bool> amx_wanted{true};     // use_amx(False): the vector kernels serve (benchmarks, tests)
+
+bool amx_serves() { return amx_wanted && amx_granted(); }
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
+
+// use_amx(on) -> whether int4_linear's and int8_linear's bf16 calls run on AMX tiles from now on (False where
+// the machine, the build or Linux cannot)
+bool use_amx(bool on) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  amx_wanted = on;
+  return amx_serves();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // ---- int8_linear: y = x @ (q * scale)^T, int8 weight rows with one scale each -----------------------------
 // Tiles of NT weight rows x up to MT rows of x: a weight tile is widened once into a small buffer (bf16 for the
 // AVX512-BF16 path, fp32 otherwise) that every row of x reuses; the tile's MT x NT accumulators stay in
@@ -608,6 +640,84 @@ void int8_linear_bf16(const c10::BFloat16* x, const int8_t* q, const S* sc, floa
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- int8_linear on AMX tiles (bf16 x, K % 32 == 0): the weight is the A side ------------------------------
+// 16 weight rows at a time are widened to bf16 (as int8_linear_bf16 does) into A tiles of 16 outputs x 32
+// inputs; x, transposed once per call into B tiles (16 input pairs x up to 16 rows of x), stays beside them; C
+// holds y^T (16 outputs x the rows), summed over all K, then scaled. A row's numbers depend only on its own x.
+
+// x [M, K] -> xt: per tile of 16 rows of x and chunk of 32 inputs, 16 pairs x 16 columns of (x[m][2p], x[m][2p + 1])
+// as 32-bit words (columns past M zero)
+std::vector<uint32_t> int8_amx_b_tiles(const c10::BFloat16* x, int64_t M, int64_t K) {
+  const int64_t tiles = (M + 15) / 16, chunks = K / 32;
+  std::vector<uint32_t> xt(tiles * chunks * 256, 0u);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < chunks; ++k)
+      for (int64_t p = 0; p < 16; ++p)
+        std::memcpy(&xt[((m / 16) * chunks + k) * 256 + p * 16 + m % 16], x + m * K + 32 * k + 2 * p, 4);
+  return xt;
+}
+
+// tiles 0-1: C (16 outputs x cols fp32), 2-3: A (16 outputs x 32 bf16), 4: B (16 pairs x cols pairs)
+void int8_amx_configure(int cols) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = (t == 2 || t == 3) ? 64 : cols * 4;
+  }
+  _tile_loadconfig(&c);
+}
+
+// chunk k (32 inputs) of 32 weight rows from n0 (zeros past N) in bf16 -> a[j * stride] for row j
+inline void int8_amx_widen(const int8_t* q, int64_t n0, int64_t N, int64_t K, int64_t k, __m512bh* a,
+                           int64_t stride) {
+  for (int64_t j = 0; j < 32; ++j)
+    a[j * stride] = n0 + j < N ? widen32_bf16(q + (n0 + j) * K + 32 * k) : (__m512bh)_mm512_setzero_si512();
+}
+
+// C tile ct [16 outputs x 16 rows] -> y rows m0.. (up to M), columns n0.. (up to N), scaled
+template <typename S>
+inline void int8_amx_store(const float* ct, const S* sc, float* y, int64_t m0, int64_t M, int64_t n0, int64_t N) {
+  for (int64_t i = 0; i < 16 && m0 + i < M; ++i)
+    for (int64_t j = 0; j < 16 && n0 + j < N; ++j) y[(m0 + i) * N + n0 + j] = ct[j * 16 + i] * f32(sc[n0 + j]);
+}
+
+// 32 outputs at a time, two independent accumulators, so that the tile dot products do not wait on each other.
+// With one tile of x (M <= 16, decode and verify steps) the weight is widened chunk by chunk into a buffer that
+// stays in L1; with more, all 32 rows' chunks once, for every tile of x. The sums are the same either way.
+template <typename S>
+void int8_linear_amx(const c10::BFloat16* x, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N,
+                     int64_t K) {
+  const int64_t chunks = K / 32, cols = std::min<int64_t>(M, 16);
+  const bool whole = M > 16;
+  const std::vector<uint32_t> xt = int8_amx_b_tiles(x, M, K);
+  at::parallel_for(0, (N + 31) / 32, 8, [&](int64_t lo, int64_t hi) {
+    std::vector<__m512bh> a(whole ? 32 * chunks : 2 * 32);       // row j, chunk k at j * chunks + k (whole)
+    alignas(64) float ct[2][16 * 16];
+    int8_amx_configure(static_cast<int>(cols));
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * 32, stride = whole ? chunks : 1;
+      for (int64_t k = 0; whole && k < chunks; ++k) int8_amx_widen(q, n0, N, K, k, a.data() + k, chunks);
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        _tile_zero(0); _tile_zero(1);
+        for (int64_t k = 0; k < chunks; ++k) {
+          __m512bh* ak = whole ? a.data() + k : a.data() + (k & 1) * 32;
+          if (!whole) int8_amx_widen(q, n0, N, K, k, ak, 1);
+          _tile_loadd(4, xt.data() + ((m0 / 16) * chunks + k) * 256, 64);
+          _tile_loadd(2, ak, stride * 64);
+          _tile_loadd(3, ak + 16 * stride, stride * 64);
+          _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_stored(0, ct[0], 64); _tile_stored(1, ct[1], 64);
+        int8_amx_store(ct[0], sc, y, m0, M, n0, N);
+        int8_amx_store(ct[1], sc, y, m0, M, n0 + 16, N);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // x [M, K] (float or bfloat16) @ (q [N, K] int8 * scales [N])^T -> [M, N] fp32
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
@@ -623,6 +733,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int8_t* pq = q.data_ptr<int8_t>();
   float* py = y.data_ptr<float>();
   auto run = [&](auto* ps) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (x.scalar_type() == at::kBFloat16 && K % 32 == 0 && amx_serves()) {
+      int8_linear_amx(x.data_ptr<c10::BFloat16>(), pq, ps, py, M, N, K);
+      return;
+    }
+#endif
 #if defined(__AVX512BF16__)
     if (x.scalar_type() == at::kBFloat16 && K % 32 == 0) {
       int8_linear_bf16(x.data_ptr<c10::BFloat16>(), pq, ps, py, M, N, K);
@@ -772,34 +888,6 @@ inline void int4_tile_bf16(const c10::BFloat16* x, const float* xs, const uint8_
 // outputs, one tile per accumulator r); every 16-row tile of x (A) then takes four tdpbf16ps into C tiles that
 // hold exactly int4_tile_bf16's accumulators, and the same per-group epilogue. A row's numbers depend only on
 // its own x, never on M or the other rows (rows past M in the last tile are zeros, computed and dropped).
-// Linux grants a process the tile state on request (arch_prctl); where it refuses, the vector kernel serves.
-bool amx_granted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-std::atomic<bool> amx_wanted{true};     // use_amx(False): the vector kernel serves (benchmarks, tests)
-#endif
-
-// use_amx(on) -> whether int4_linear's bf16 calls run on AMX tiles from now on (False where the machine, the
-// build or the kernel cannot)
-bool use_amx(bool on) {
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  amx_wanted = on;
-  return on && amx_granted();
-#else
-  (void)on;
-  return false;
-#endif
-}
-
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-6: B (16 pairs x 16 outputs x 2 bf16)
 void amx_configure(int rows) {
@@ -923,7 +1011,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     auto run = [&](const auto* ps) {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (group % 32 == 0 && amx_wanted && amx_granted()) {
+        if (group % 32 == 0 && amx_serves()) {
           int4_linear_amx(px, xs.data(), pq, ps, py, M, K, G, group, N);
           return;
         }

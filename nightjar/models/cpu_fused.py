@@ -5,8 +5,9 @@ arithmetic (an ``rms_norm`` is ~11 aten ops, each tiny attention ``bmm`` 20-60 Â
 layer's norms, rope + KV store, paged attention and SiLUÂ·up in five calls (docstring of the .cpp file). Four more
 serve quantized models and greedy picks: ``int4_linear`` (an int4 layer up to 128 rows) and ``int4_weight_t`` (its
 longer chunks), ``int8_linear`` (the int8 LM head; all three in models/quant.py) and ``argmax_rows`` (greedy picks
-over the vocabulary, actors/sampler.py ``argmax_last``). ``use_amx(on)`` chooses whether ``int4_linear`` runs bf16
-inputs on AMX tiles where the CPU has them (the default) or on its vector kernel (benchmarks, tests).
+over the vocabulary, actors/sampler.py ``argmax_last``). ``use_amx(on)`` chooses whether ``int4_linear`` and
+``int8_linear`` run bf16 inputs on AMX tiles where the CPU has them (the default) or on their vector kernels
+(benchmarks, tests).
 
 The extension is built with the system C++ compiler through ``torch.utils.cpp_extension`` into
 ``~/.cache/nightjar/cpu_fused/<key>`` (``NIGHTJAR_CACHE`` moves ``~/.cache/nightjar``), once per source, torch

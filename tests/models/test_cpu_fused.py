@@ -301,6 +301,33 @@ def test_int8_linear_matches_the_dequantized_weight_and_a_row_never_depends_on_t
     assert torch.equal(ops.int8_linear(x, q, sb), ops.int8_linear(x, q, sb.float()))
 
 
+def _amx_present() -> bool:
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    return all(f in flags.split() for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_int8_linear_on_either_kernel_matches_and_keeps_rows_apart_past_one_tile(ops, amx):
+    """bf16 calls run on AMX tiles where the machine has them (``use_amx``), else on the vector kernel: both match
+    the dequantized weight, and a row's bits never depend on M (one tile of x is widened chunk by chunk, more
+    tiles share one widened weight), with outputs past the last 32-row tile."""
+    on = ops.use_amx(amx)
+    try:
+        assert on == (amx and _amx_present())
+        g = torch.Generator().manual_seed(4)
+        n, k, m = 203, 96, 40
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = torch.rand(n, generator=g) * 0.01 + 1e-3
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = ops.int8_linear(x, q, s)
+        ref = x.double() @ (q.double() * s.double()[:, None]).T
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        for start, rows in ((0, 1), (5, 16), (3, 17), (20, 17), (0, 33), (4, 5)):
+            assert torch.equal(ops.int8_linear(x[start:start + rows].contiguous(), q, s), y[start:start + rows])
+    finally:
+        ops.use_amx(True)
+
+
 def test_int8_linear_rejects_what_it_cannot_compute(ops):
     x, q, s = torch.randn(2, 32), torch.zeros(5, 32, dtype=torch.int8), torch.ones(5)
     with pytest.raises(RuntimeError, match="int8"):
@@ -339,11 +366,6 @@ def test_int4_linear_matches_the_dequantized_weight_and_a_row_never_depends_on_t
         for start in range(0, m - rows + 1, 3):
             assert torch.equal(ops.int4_linear(x[start:start + rows].contiguous(), layer.qweight, layer.scales, group),
                                y[start:start + rows])
-
-
-def _amx_present() -> bool:
-    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    return all(f in flags.split() for f in ("amx_tile", "amx_bf16", "avx512_bf16"))
 
 
 @pytest.mark.parametrize("amx", [True, False])
