@@ -35,7 +35,8 @@ from nightjar.sampling import ConfigError
 # the padding puts near q = 3 at one row, instead of interpolating it, offline/profile.py; 16: a bf16 model's int4
 # layers and int8 head on AMX tiles where the CPU has them, models/cpu_fused.cpp: int4 steps of 5+ rows far cheaper),
 # so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
-# ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) is part of the key too.
+# ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) and whether they use AMX tiles (``NIGHTJAR_CPU_AMX``) is part of
+# the key too.
 KERNELS_VERSION = 16
 
 
@@ -45,7 +46,7 @@ def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", q
     models/quant.py ``draft_mode``) and device on this machine is
     cached (``$NIGHTJAR_CACHE``, else ``~/.cache/nightjar``, under ``profiles/``). A shipped drafter's name
     ("default") is keyed by the drafter it names, so that another default is measured anew."""
-    from nightjar.models import NAMED_DRAFTS, parse_dtype
+    from nightjar.models import NAMED_DRAFTS, cpu_fused, parse_dtype
     from nightjar.models.llama import use_cpu_fused
     from nightjar.models.quant import draft_mode
 
@@ -53,7 +54,8 @@ def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", q
     root = Path(os.environ.get("NIGHTJAR_CACHE") or Path.home() / ".cache" / "nightjar") / "profiles"
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
     fused = device.startswith("cpu") and use_cpu_fused(torch.device("cpu"), parse_dtype(dtype))
-    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}|{fused}"
+    amx = fused and cpu_fused.uses_amx()
+    machine = f"{platform.machine()}|{os.cpu_count()}|{_cpu_name()}|{torch.__version__}|{device}|{gpu}|{fused}|{amx}"
     dq = draft_mode(quantization, draft_quantization)
     spec = f"{model}|{draft}|{dtype}|{quantization}|{dq}|{KERNELS_VERSION}|{machine}"
     key = hashlib.sha256(spec.encode()).hexdigest()

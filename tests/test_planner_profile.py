@@ -96,6 +96,24 @@ def test_a_profile_measured_on_the_fused_cpu_ops_is_not_served_without_them(monk
     assert (prof.cache_path("smollm2-135m", "none", "bfloat16") != on) == fused
 
 
+def test_a_profile_measured_with_amx_tiles_is_not_served_without_them(monkeypatch, tmp_path):
+    import torch
+
+    from nightjar import profile_cache as prof
+    from nightjar.models import cpu_fused
+
+    if not cpu_fused.available():
+        pytest.skip("no fused CPU ops here, so no AMX kernels either")
+    monkeypatch.setenv("NIGHTJAR_CACHE", str(tmp_path))
+    amx = cpu_fused.uses_amx()
+    on = prof.cache_path("smollm2-135m", "none", "bfloat16", quantization="int4")
+    try:
+        assert torch.ops.nightjar_cpu.use_amx(False) is False and not cpu_fused.uses_amx()
+        assert (prof.cache_path("smollm2-135m", "none", "bfloat16", quantization="int4") != on) == amx
+    finally:
+        torch.ops.nightjar_cpu.use_amx(True)
+
+
 def test_generate_with_an_auto_profile_measures_then_serves(fake_measure, capsys, smollm2_path):
     from nightjar.cli import main
 

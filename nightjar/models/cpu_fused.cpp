@@ -513,6 +513,15 @@ bool use_amx(bool on) {
 #endif
 }
 
+// whether int4_linear's and int8_linear's bf16 calls run on AMX tiles now
+bool uses_amx() {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_serves();
+#else
+  return false;
+#endif
+}
+
 // ---- int8_linear: y = x @ (q * scale)^T, int8 weight rows with one scale each -----------------------------
 // Tiles of NT weight rows x up to MT rows of x: a weight tile is widened once into a small buffer (bf16 for the
 // AVX512-BF16 path, fp32 otherwise) that every row of x reuses; the tile's MT x NT accumulators stay in
@@ -1107,6 +1116,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("use_amx(bool on) -> bool", use_amx);           // no tensor: one kernel for every backend
+  m.def("uses_amx() -> bool", uses_amx);
 }
 
 TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {

@@ -6,8 +6,8 @@ layer's norms, rope + KV store, paged attention and SiLU·up in five calls (docs
 serve quantized models and greedy picks: ``int4_linear`` (an int4 layer up to 128 rows) and ``int4_weight_t`` (its
 longer chunks), ``int8_linear`` (the int8 LM head; all three in models/quant.py) and ``argmax_rows`` (greedy picks
 over the vocabulary, actors/sampler.py ``argmax_last``). ``use_amx(on)`` chooses whether ``int4_linear`` and
-``int8_linear`` run bf16 inputs on AMX tiles where the CPU has them (the default) or on their vector kernels
-(benchmarks, tests).
+``int8_linear`` run bf16 inputs on AMX tiles where the CPU has them (the default; ``NIGHTJAR_CPU_AMX=0`` turns it
+off for the process) or on their vector kernels (benchmarks, tests).
 
 The extension is built with the system C++ compiler through ``torch.utils.cpp_extension`` into
 ``~/.cache/nightjar/cpu_fused/<key>`` (``NIGHTJAR_CACHE`` moves ``~/.cache/nightjar``), once per source, torch
@@ -66,7 +66,20 @@ def available() -> bool:
     with _lock:
         if "ok" not in _state:
             _state["ok"] = _load()
+            if _state["ok"]:
+                torch.ops.nightjar_cpu.use_amx(amx_enabled())
     return bool(_state["ok"])
+
+
+def amx_enabled() -> bool:
+    """The environment allows AMX tiles for the quantized ops (``NIGHTJAR_CPU_AMX=0`` turns them off)."""
+    return os.environ.get("NIGHTJAR_CPU_AMX", "1") != "0"
+
+
+def uses_amx() -> bool:
+    """``int4_linear`` and ``int8_linear`` run bf16 inputs on AMX tiles in this process now (False where the
+    environment, the machine, the build or Linux does not let them)."""
+    return available() and bool(torch.ops.nightjar_cpu.uses_amx())
 
 
 def _load() -> bool:
@@ -104,7 +117,8 @@ def _ninja_on_path() -> None:
 def main() -> int:
     """Build (or find) the ops and say so; never fails: without them the engine serves on torch ops."""
     state = "off (NIGHTJAR_CPU_FUSED=0)" if not enabled() else "ready" if available() else "unavailable"
-    print(f"fused CPU ops: {state} ({build_dir()})")
+    amx = ", AMX tiles for bf16 int4/int8 layers" if uses_amx() else ""
+    print(f"fused CPU ops: {state}{amx} ({build_dir()})")
     return 0
 
 
