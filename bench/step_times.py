@@ -1,7 +1,7 @@
 """Median target step time T(B, q) at a fixed context, beside the memory-bandwidth floor.
 
     python bench/step_times.py [--model smollm2-135m] [--dtype bfloat16] [--context 256] [--reps 7]
-                               [--variants served,torch] [--batches 1,4,16] [--queries 1,5]
+                               [--variants served,torch] [--batches 1,4,16] [--queries 1,5] [--block 1]
 
 Variants, all built from the same checkpoint and timed interleaved (call by call, round robin) so that a
 noisy machine slows them alike:
@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from nightjar.argtypes import positive
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
@@ -122,15 +123,20 @@ class Step:
         return time.perf_counter() - t0
 
 
-def interleaved(models: dict, step: Step, reps: int) -> dict[str, float]:
-    """Median seconds per variant, timing the variants in turn within every repetition."""
+def interleaved(models: dict, step: Step, reps: int, block: int = 1) -> dict[str, float]:
+    """Median seconds per variant, timing the variants in turn within every repetition; with ``block`` > 1 each
+    turn runs a variant block + 1 times and times the last ``block`` calls (its weights back in cache: on a CPU
+    whose last-level cache holds one model's weights but not several, call-by-call turns time every variant
+    cold)."""
     for m in models.values():
         for _ in range(2):
             step.time(m)
     ts = {name: [] for name in models}
     for _ in range(reps):
         for name, m in models.items():
-            ts[name].append(step.time(m))
+            if block > 1:
+                step.time(m)
+            ts[name] += [step.time(m) for _ in range(block)]
     return {name: statistics.median(t) for name, t in ts.items()}
 
 
@@ -144,6 +150,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--queries", default="1,2,3,5")
     ap.add_argument("--variants", default="served", help=f"comma-separated, from {','.join(VARIANTS)}")
+    ap.add_argument("--block", type=positive(int), default=1,
+                    help="calls per variant in each turn, the first untimed (default 1: call by call, cold caches)")
     a = ap.parse_args(argv)
     names = a.variants.split(",")
     if any(n not in VARIANTS for n in names):
@@ -156,13 +164,14 @@ def main(argv=None) -> None:
     Bs, qs = [int(x) for x in a.batches.split(",")], [int(x) for x in a.queries.split(",")]
     print(f"# {a.model} {a.dtype} on {a.device}, context {a.context}: weights read per step {nbytes / 1e6:.1f} MB, "
           f"copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor * 1e3:.2f} ms; variants {', '.join(names)} "
-          f"(interleaved, median of {a.reps})")
+          f"(interleaved, median of {a.reps}" + (f" turns of {a.block} warm calls)" if a.block > 1 else ")"))
     cols = [f"q={q} {n} (ms)" for q in qs for n in names]
     extra = [f"q=1 {n}/{names[0]}" for n in names[1:]] + [f"q=1 {names[-1]} / floor"]
     print("| B | " + " | ".join(cols + extra) + " |")
     print("|---|" + "---|" * (len(cols) + len(extra)))
     for B in Bs:
-        row = {q: interleaved(models, Step(first.cfg, B, q, a.context, first.dtype, a.device), a.reps) for q in qs}
+        row = {q: interleaved(models, Step(first.cfg, B, q, a.context, first.dtype, a.device), a.reps, a.block)
+               for q in qs}
         cells = [f"{row[q][n] * 1e3:.1f}" for q in qs for n in names]
         q1 = row[qs[0]]
         cells += [f"{q1[n] / q1[names[0]]:.2f}x" for n in names[1:]] + [f"{q1[names[-1]] / floor:.2f}x"]
