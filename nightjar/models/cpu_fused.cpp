@@ -253,6 +253,22 @@ inline v16 reduce16(const v16* a) {
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// tile(std::integral_constant<int, mt>) for 1 <= mt <= Max <= 6 (the rows of a tile, as a compile-time count)
+template <int Max, typename Tile>
+inline void by_rows(int64_t mt, Tile&& tile) {
+  auto run = [&](auto r) {
+    if constexpr (decltype(r)::value <= Max) tile(r);
+  };
+  switch (mt) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 5: run(std::integral_constant<int, 5>{}); break;
+    default: run(std::integral_constant<int, Max>{});
+  }
+}
+
 // Positions per attention task. Fixed, so that a query's numbers depend only on its own row's positions: not on
 // the step's other rows, how many queries its row verifies, or the thread count.
 constexpr int64_t kChunk = 64;
@@ -271,8 +287,11 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
   constexpr int64_t S = kChunk / 16;                                 // v16 of scores per query
   constexpr int64_t R = CC > 0 ? std::max<int64_t>(1, 16 / CC) : 4;  // queries per pass over V
   const int64_t d = CC > 0 ? 16 * CC : dd, C = CC > 0 ? CC : (d + 15) / 16;
-  const int64_t n = Q * gq, np = (n + R - 1) / R * R, P = std::min(kChunk, L - p0);
-  std::vector<v16> qf(n * C), kv(16 * C), sc(np * S);                // sc: queries past n stay 0 (V passes of R)
+  const int64_t n = Q * gq, P = std::min(kChunk, L - p0);
+  thread_local std::vector<v16> qf, kv, sc;                          // per thread, reused across tasks
+  qf.resize(n * C);
+  kv.resize(kChunk * C);                                              // 16 keys, then the chunk's values
+  sc.assign(n * S, v16{});
   int64_t off[kChunk];  // offset of position p0 + j in a head's cache (one division per chunk, not per position)
   for (int64_t j = 0, blk = p0 / bs, i = p0 % bs; j < P; ++j) {
     off[j] = (table[blk] * bs + i) * d;
@@ -295,13 +314,20 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
       sc[r * S + j0 / 16] = reduce16(a);
     }
   }
+  const v16 lane16 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t r = 0; r < n; ++r) {  // e^(s - m) over the visible positions, 0 past them
     const int64_t vis = std::clamp<int64_t>(L - Q + r / gq + 1 - p0, 0, P);
     float* s = reinterpret_cast<float*>(&sc[r * S]);
     float* out = part + r * (d + 2);
+    v16 m16 = v16{} + ninf;                          // the visible maximum, 16 lanes at a time
+    for (int64_t p = 0; p < kChunk; p += 16) {
+      v16 x = *reinterpret_cast<v16*>(s + p);
+      x = (lane16 + static_cast<float>(p)) < static_cast<float>(vis) ? x : v16{} + ninf;
+      *reinterpret_cast<v16*>(s + p) = x;
+      m16 = x > m16 ? x : m16;
+    }
     float mx = ninf;
-    for (int64_t p = 0; p < vis; ++p) mx = std::max(mx, s[p]);
-    for (int64_t p = vis; p < kChunk; ++p) s[p] = ninf;
+    for (int l = 0; l < 16; ++l) mx = std::max(mx, m16[l]);
     v16 z{};
     for (int64_t p = 0; p < kChunk; p += 16) {
       const v16 x = *reinterpret_cast<v16*>(s + p);
@@ -314,18 +340,23 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
     out[1] = hsum(z);
   }
   const float* w = reinterpret_cast<const float*>(sc.data());
-  for (int64_t r0 = 0; r0 < np; r0 += R) {  // acc = sum_p e_p v_p for R queries per pass over V (in registers)
-    v16 acc[R * (CC > 0 ? CC : kMaxC)] = {};
+  const bool once = n > R;                 // several passes: the chunk's values widened once, for all of them
+  for (int64_t p = 0; once && p < P; ++p) widen(vc + off[p], &kv[p * C], d, C);
+  auto pass = [&](auto rc, int64_t r0) {  // acc = sum_p e_p v_p for RR queries per pass over V (in registers)
+    constexpr int64_t RR = decltype(rc)::value;
+    v16 acc[RR * (CC > 0 ? CC : kMaxC)] = {};
     for (int64_t p = 0; p < P; ++p) {
-      widen(vc + off[p], kv.data(), d, C);
-      for (int64_t rr = 0; rr < R; ++rr) {
+      const v16* v = once ? &kv[p * C] : kv.data();
+      if (!once) widen(vc + off[p], kv.data(), d, C);
+      for (int64_t rr = 0; rr < RR; ++rr) {
         const float e = w[(r0 + rr) * kChunk + p];
-        for (int64_t c = 0; c < C; ++c) acc[rr * C + c] += e * kv[c];
+        for (int64_t c = 0; c < C; ++c) acc[rr * C + c] += e * v[c];
       }
     }
-    for (int64_t rr = 0; rr < std::min<int64_t>(R, n - r0); ++rr)
-      std::memcpy(part + (r0 + rr) * (d + 2) + 2, &acc[rr * C], d * sizeof(float));
-  }
+    for (int64_t rr = 0; rr < RR; ++rr) std::memcpy(part + (r0 + rr) * (d + 2) + 2, &acc[rr * C], d * sizeof(float));
+  };
+  for (int64_t r0 = 0; r0 < n; r0 += R)   // the last pass takes only the queries left
+    by_rows<R>(std::min<int64_t>(R, n - r0), [&](auto rc) { pass(rc, r0); });
 }
 
 // One (row, kv head): each query's chunks merged in order, out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) z_c
@@ -583,22 +614,6 @@ inline void store_tile(const v16* acc, const S* sc, float* y, int64_t m0, int64_
   const v16 sums = reduce16(acc);
   for (int64_t i = 0; i < mt; ++i)
     for (int64_t j = 0; j < nt; ++j) y[(m0 + i) * N + n0 + j] = sums[i * NT + j] * f32(sc[n0 + j]);
-}
-
-// tile(std::integral_constant<int, mt>) for 1 <= mt <= Max <= 6 (the rows of a tile, as a compile-time count)
-template <int Max, typename Tile>
-inline void by_rows(int64_t mt, Tile&& tile) {
-  auto run = [&](auto r) {
-    if constexpr (decltype(r)::value <= Max) tile(r);
-  };
-  switch (mt) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    case 4: run(std::integral_constant<int, 4>{}); break;
-    case 5: run(std::integral_constant<int, 5>{}); break;
-    default: run(std::integral_constant<int, Max>{});
-  }
 }
 
 // The tiling both int8_linear paths share: NT weight rows widened once into w (element c of row j:
