@@ -286,6 +286,7 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   constexpr int64_t S = kChunk / 16;                                 // v16 of scores per query
   constexpr int64_t R = CC > 0 ? std::max<int64_t>(1, 16 / CC) : 4;  // queries per pass over V
+  static_assert(R <= 5, "by_rows dispatches passes of up to 5 queries");
   const int64_t d = CC > 0 ? 16 * CC : dd, C = CC > 0 ? CC : (d + 15) / 16;
   const int64_t n = Q * gq, P = std::min(kChunk, L - p0);
   thread_local std::vector<v16> qf, kv, sc;                          // per thread, reused across tasks

@@ -77,7 +77,7 @@ def _random_cache(nkv, d, bs, nblocks, dtype, reserve=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 16), (9, 3, 64), (6, 6, 40), (2, 1, 8)])
+@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 16), (9, 3, 64), (6, 6, 40), (2, 1, 8), (6, 2, 128)])
 def test_paged_attention_matches_the_torch_reference_on_varlen_causal_rows(ops, dtype, nh, nkv, d):
     bs = 4
     # decode, verify and short prefill rows; past 128 positions a row is attended in parts, combined after
