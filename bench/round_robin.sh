@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd); PY=$ROOT/.venv/bin/python
 ARGS=${SERVER_ARGS:---device-memory 575000000 --max-num-seqs 64 --dtype bfloat16 --planner-profile auto}
 PORT0=${PORT0:-18100}
-mkdir -p "$OUT"
+OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)   # absolute: the servers start from their own DIR
 stop() { for i in "${!V[@]}"; do pkill -f -- "--port $((PORT0 + i)) " 2>/dev/null; done; }
 trap stop EXIT
 for i in "${!V[@]}"; do
