@@ -16,6 +16,7 @@ noisy machine slows them alike:
   int8, int4  ``served`` with ``--quantization int8|int4`` (layers quantized, the LM head an int8 copy)
   int8-bf16head, int4-bf16head  the same with the LM head left in the dtype (oneDNN-packed, as before QuantHead)
   int4-torchmm  ``int4`` with torch's packed int4 kernel in place of the fused ``int4_linear`` (as before it)
+  int8-torchmm  ``int8`` with torch's packed int8 kernel in place of ``int8_linear`` on AMX tiles (as before it)
   int4-vector  ``int4`` with ``int4_linear`` and the int8 head on their AVX-512 kernels where they would run on
                AMX tiles (as before them)
 With several variants the table prints each one's median and its ratio to the first.
@@ -39,7 +40,8 @@ from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
 
 QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int8-bf16head": ("int8", False),
-             "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True), "int4-vector": ("int4", True)}
+             "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True), "int4-vector": ("int4", True),
+             "int8-torchmm": ("int8", True)}
 VARIANTS = ("plain", "fused", "served", "torch", "modules", "unpadded", *QUANTIZED)
 
 
@@ -89,7 +91,7 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
 
 def quantized_variant(cfg, state: dict, dtype: str, device: str, mode: str, head: bool, torch_mm: bool = False):
     """As ``load_quantized``: built in fp32, quantized (the head too with ``head``), cast, packed; ``torch_mm``:
-    int4 layers on torch's packed kernel."""
+    quantized layers on torch's packed kernels."""
     from nightjar.models.quant import QuantLinear, cast_floats, quantize_model
 
     model = build_model(cfg, {k: v.float() for k, v in state.items()}, torch.float32, device, fuse=True)

@@ -34,11 +34,12 @@ from nightjar.sampling import ConfigError
 # steps 4-14 % faster, models/cpu_linear.py PACKED_MIN_ROWS; 15: the grid measures q = 4, γ = 3's verify, which
 # the padding puts near q = 3 at one row, instead of interpolating it, offline/profile.py; 16: a bf16 model's int4
 # layers and int8 head on AMX tiles where the CPU has them, models/cpu_fused.cpp: int4 steps of 5+ rows far cheaper;
-# 17: fused paged attention 1.4-1.6x faster, the same numbers: steps of many rows or long contexts cheaper),
+# 17: fused paged attention 1.4-1.6x faster, the same numbers: steps of many rows or long contexts cheaper;
+# 18: a bf16 model's int8 layers on int8_linear's AMX tiles, int8 steps of 4+ rows far cheaper),
 # so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
 # ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) and whether they use AMX tiles (``NIGHTJAR_CPU_AMX``) is part of
 # the key too.
-KERNELS_VERSION = 17
+KERNELS_VERSION = 18
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none",

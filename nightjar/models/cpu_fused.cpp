@@ -11,7 +11,7 @@
 //                   numbers depend only on its own row's positions, never on the step's other rows or queries
 //   int4_weight_t   torch's packed int4 weight + group scales -> W^T [k, n] (a quantized layer's long chunks)
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
-//   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 (the int8 LM head of a quantized model)
+//   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 or x's dtype (an int8 LM head or layer)
 //   int4_linear     x [M, K] @ W^T, W in torch's int4 pack + group scales -> [M, N] (an int4 layer's short calls)
 //   (int8_linear and int4_linear take bf16 x on AMX tiles where the CPU has them and Linux grants them;
 //   use_amx(False) turns that off)
@@ -609,19 +609,19 @@ inline v16 widen16(const int8_t* q, int64_t n) {
 }
 
 // one NT x (up to MT) output tile: acc [MT * NT] -> y rows m0.., columns n0.. scaled by the rows' scales
-template <typename S>
-inline void store_tile(const v16* acc, const S* sc, float* y, int64_t m0, int64_t mt, int64_t n0, int64_t nt,
+template <typename S, typename Y>
+inline void store_tile(const v16* acc, const S* sc, Y* y, int64_t m0, int64_t mt, int64_t n0, int64_t nt,
                        int64_t N) {
   const v16 sums = reduce16(acc);
   for (int64_t i = 0; i < mt; ++i)
-    for (int64_t j = 0; j < nt; ++j) y[(m0 + i) * N + n0 + j] = sums[i * NT + j] * f32(sc[n0 + j]);
+    for (int64_t j = 0; j < nt; ++j) y[(m0 + i) * N + n0 + j] = static_cast<Y>(sums[i * NT + j] * f32(sc[n0 + j]));
 }
 
 // The tiling both int8_linear paths share: NT weight rows widened once into w (element c of row j:
 // widen(j < nt, n0 + j, c)), then every tile of up to MT rows of x against them (tile(r, m0, w, acc)), scaled
 // and stored.
-template <typename W, typename S, typename Widen, typename Tile>
-void int8_tiles(const S* sc, float* y, int64_t M, int64_t N, int64_t C, Widen&& widen, Tile&& tile) {
+template <typename W, typename S, typename Y, typename Widen, typename Tile>
+void int8_tiles(const S* sc, Y* y, int64_t M, int64_t N, int64_t C, Widen&& widen, Tile&& tile) {
   at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
     std::vector<W> w(NT * C);
     v16 acc[MT * NT];
@@ -640,8 +640,8 @@ void int8_tiles(const S* sc, float* y, int64_t M, int64_t N, int64_t C, Widen&& 
 }
 
 // xf [M, C] fp32 chunks (rows zero-padded to C * 16)
-template <typename S>
-void int8_linear_f32(const v16* xf, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename S, typename Y>
+void int8_linear_f32(const v16* xf, const int8_t* q, const S* sc, Y* y, int64_t M, int64_t N, int64_t K) {
   const int64_t C = (K + 15) / 16;
   int8_tiles<v16>(
       sc, y, M, N, C,
@@ -650,8 +650,8 @@ void int8_linear_f32(const v16* xf, const int8_t* q, const S* sc, float* y, int6
 }
 
 #if defined(__AVX512BF16__)
-template <typename S>
-void int8_linear_bf16(const c10::BFloat16* x, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N,
+template <typename S, typename Y>
+void int8_linear_bf16(const c10::BFloat16* x, const int8_t* q, const S* sc, Y* y, int64_t M, int64_t N,
                       int64_t K) {
   const int64_t C = K / 32;
   int8_tiles<__m512bh>(
@@ -701,17 +701,18 @@ inline void int8_amx_widen(const int8_t* q, int64_t n0, int64_t N, int64_t K, in
 }
 
 // C tile ct [16 outputs x 16 rows] -> y rows m0.. (up to M), columns n0.. (up to N), scaled
-template <typename S>
-inline void int8_amx_store(const float* ct, const S* sc, float* y, int64_t m0, int64_t M, int64_t n0, int64_t N) {
+template <typename S, typename Y>
+inline void int8_amx_store(const float* ct, const S* sc, Y* y, int64_t m0, int64_t M, int64_t n0, int64_t N) {
   for (int64_t i = 0; i < 16 && m0 + i < M; ++i)
-    for (int64_t j = 0; j < 16 && n0 + j < N; ++j) y[(m0 + i) * N + n0 + j] = ct[j * 16 + i] * f32(sc[n0 + j]);
+    for (int64_t j = 0; j < 16 && n0 + j < N; ++j)
+      y[(m0 + i) * N + n0 + j] = static_cast<Y>(ct[j * 16 + i] * f32(sc[n0 + j]));
 }
 
 // 32 outputs at a time, two independent accumulators, so that the tile dot products do not wait on each other.
 // With one tile of x (M <= 16, decode and verify steps) the weight is widened chunk by chunk into a buffer that
 // stays in L1; with more, all 32 rows' chunks once, for every tile of x. The sums are the same either way.
-template <typename S>
-void int8_linear_amx(const c10::BFloat16* x, const int8_t* q, const S* sc, float* y, int64_t M, int64_t N,
+template <typename S, typename Y>
+void int8_linear_amx(const c10::BFloat16* x, const int8_t* q, const S* sc, Y* y, int64_t M, int64_t N,
                      int64_t K) {
   const int64_t chunks = K / 32, cols = std::min<int64_t>(M, 16);
   const bool whole = M > 16;
@@ -743,8 +744,9 @@ void int8_linear_amx(const c10::BFloat16* x, const int8_t* q, const S* sc, float
 }
 #endif
 
-// x [M, K] (float or bfloat16) @ (q [N, K] int8 * scales [N])^T -> [M, N] fp32
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+// x [M, K] (float or bfloat16) @ (q [N, K] int8 * scales [N])^T -> [M, N] fp32, or in x's dtype with like_x (each
+// output rounded once from the same fp32 value)
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, bool like_x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(1) == x.size(1),
               "q must be a contiguous int8 [N, K] tensor");
@@ -753,11 +755,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
               "scales must be float or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, N}, like_x ? x.options() : x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
   const int8_t* pq = q.data_ptr<int8_t>();
-  float* py = y.data_ptr<float>();
-  auto run = [&](auto* ps) {
+  auto run = [&](auto* ps, auto* py) {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (x.scalar_type() == at::kBFloat16 && K % 32 == 0 && amx_serves()) {
       int8_linear_amx(x.data_ptr<c10::BFloat16>(), pq, ps, py, M, N, K);
@@ -779,8 +780,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     });
     int8_linear_f32(xf.data(), pq, ps, py, M, N, K);
   };
-  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<c10::BFloat16>());
-  else run(scales.data_ptr<float>());
+  auto out = [&](auto* ps) {
+    if (y.scalar_type() == at::kBFloat16) run(ps, y.data_ptr<c10::BFloat16>());
+    else run(ps, y.data_ptr<float>());
+  };
+  if (scales.scalar_type() == at::kBFloat16) out(scales.data_ptr<c10::BFloat16>());
+  else out(scales.data_ptr<float>());
   return y;
 }
 
@@ -911,8 +916,9 @@ inline void int4_tile_bf16(const c10::BFloat16* x, const float* xs, const uint8_
 // ---- the same on AMX tiles (bf16 x, groups of 32k inputs): the dot products leave the vector ports ----------
 // Per block and group the codes are widened once, as int4_tile_bf16 does, into B tiles (16 column pairs x 16
 // outputs, one tile per accumulator r); every 16-row tile of x (A) then takes four tdpbf16ps into C tiles that
-// hold exactly int4_tile_bf16's accumulators, and the same per-group epilogue. A row's numbers depend only on
-// its own x, never on M or the other rows (rows past M in the last tile are zeros, computed and dropped).
+// hold int4_tile_bf16's accumulators (the same sums; the tiles round differently from vdpbf16ps in the last bit of
+// a few outputs), and the same per-group epilogue. A row's numbers depend only on its own x, never on M or the
+// other rows (rows past M in the last tile are zeros, computed and dropped).
 
 // tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5-6: B (16 pairs x 16 outputs x 2 bf16)
 void amx_configure(int rows) {
@@ -1129,7 +1135,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
         "int block_size, float scale, int max_query) -> Tensor");
   m.def("int4_weight_t(Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scales, bool like_x=False) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("use_amx(bool on) -> bool", use_amx);           // no tensor: one kernel for every backend
   m.def("uses_amx() -> bool", uses_amx);

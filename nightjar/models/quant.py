@@ -50,8 +50,15 @@ INT4_GROUP = 32            # GGUF's Q4 block; 576-wide models admit only 32 and 
 PACKED_MAX_ROWS = {"int8": 16, "int4": 48}   # rows up to which the packed kernel beats dequantize + GEMM
                                             # (bench/quant_quality.py --sections kernels; docs/quantization.md)
 FUSED_INT4_MAX_ROWS = 128  # the same for the fused int4_linear (cpu_fused), where it serves
-_FUSED_DTYPES = (torch.float32, torch.bfloat16)   # what the fused int4_linear op takes
+FUSED_INT8_MAX_ROWS = 128  # bf16 int8 layers on int8_linear (cpu_fused) where it runs on AMX tiles, up to here
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)   # what the fused int4_linear and int8_linear ops take
 _INNER_K_TILES = 2         # the packer's innerKTiles argument, as torchao passes it (the layout is in unpack_int4)
+
+
+@functools.cache
+def _int8_linear():
+    """``int8_linear``'s ``.default`` overload, resolved once."""
+    return torch.ops.nightjar_cpu.int8_linear.default
 
 
 @functools.cache
@@ -88,7 +95,7 @@ class QuantLinear(nn.Module):
             return cls(mode, in_f, out_f, packed, sz, group_size)
         raise ValueError(f"unknown quantization {mode!r}; use one of {MODES}")
 
-    use_fused = True        # False: torch's packed int4 kernel even where int4_linear could serve (benchmarks)
+    use_fused = True        # False: torch's packed kernels even where int4_linear / int8_linear could serve
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype. A decode step makes ~120 of these calls, so the fused int4
@@ -98,6 +105,9 @@ class QuantLinear(nn.Module):
         if self.fused_int4 and self.use_fused and x.shape[0] <= FUSED_INT4_MAX_ROWS and x.dtype in _FUSED_DTYPES:
             p = self._parameters
             return _int4_linear()(x.contiguous(), p["qweight"], p["scales"], self.group_size)   # [M, out]
+        if self.fused_int8 and self.use_fused and x.shape[0] <= FUSED_INT8_MAX_ROWS and x.dtype == torch.bfloat16:
+            p = self._parameters
+            return _int8_linear()(x.contiguous(), p["qweight"], p["scales"], True)       # [M, out] in x's dtype
         if x.shape[0] > PACKED_MAX_ROWS[self.mode]:
             return self.dense_mm(x)                                      # [M, out]
         if self.mode == "int8":
@@ -112,9 +122,14 @@ class QuantLinear(nn.Module):
     def _select_kernel(self) -> None:
         """``fused_int4``: the fused ``int4_linear`` can serve this layer (rows independent of the step; 1.2-2.2x
         torch's kernel from 1 to 48 rows, docs/quantization.md) for inputs of up to FUSED_INT4_MAX_ROWS rows
-        in a dtype it takes. Decided when the layer is made, moved or cast, as the model's own fused ops are."""
+        in a dtype it takes. ``fused_int8``: ``int8_linear`` serves a bf16 model's int8 layer up to
+        FUSED_INT8_MAX_ROWS rows where it runs on AMX tiles (rows independent of the step; 2.8-4x torch's kernel
+        from 5 to 32 rows, 0.74x at one). Decided when the layer is made, moved or cast, as the model's own fused
+        ops are."""
         self.fused_int4 = (self.mode == "int4" and self.out_features % 64 == 0 and self.qweight.device.type == "cpu"
                            and self.scales.dtype in _FUSED_DTYPES and cpu_fused.available())
+        self.fused_int8 = (self.mode == "int8" and self.qweight.device.type == "cpu" and self.in_features % 32 == 0
+                           and self.scales.dtype == torch.bfloat16 and cpu_fused.uses_amx())
 
     def codes(self) -> torch.Tensor:
         """The integer codes [out, in]: int8 values, or int4 values 0..15 (as uint8)."""
@@ -312,6 +327,7 @@ def mix_int8(model: nn.Module) -> int:
     for name, m in swaps:
         w = m.weight.detach()                                                  # [out, in] bf16
         small = QuantHead.from_weight(w.float()) if m is head else QuantLinear.from_weight(w, "int8")
+        small.use_fused = False        # one to three rows: torch's packed int8 kernel is the faster there
         model.set_submodule(name, RowSplitLinear(small, m))
     return len(swaps)
 

@@ -429,3 +429,23 @@ def test_int4_linear_rejects_what_it_cannot_compute(ops):
     with pytest.raises(RuntimeError, match="do not match"):
         ops.int4_linear(torch.randn(2, 32), layer.qweight, layer.scales, 32)
     assert ops.int4_linear(x[:0], layer.qweight, layer.scales, 32).shape == (0, 64)
+
+
+def test_an_int8_layer_takes_int8_linear_on_amx_tiles_for_bf16_rows(ops):
+    """Where int8_linear runs on AMX tiles, a bf16 model's int8 layer uses it (in the layer's dtype, rows
+    independent of the step) up to FUSED_INT8_MAX_ROWS rows; a mixed draft's int8 copies keep torch's kernel."""
+    from nightjar.models.cpu_linear import MirroredPackedLinear
+    from nightjar.models.quant import FUSED_INT8_MAX_ROWS, QuantLinear, RowSplitLinear, mix_int8
+
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(8)) * 0.05
+    layer = QuantLinear.from_weight(w, "int8").to(torch.bfloat16)
+    assert layer.fused_int8 == cpu_fused.uses_amx() and not QuantLinear.from_weight(w, "int8").fused_int8
+    x = torch.randn(FUSED_INT8_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    y = layer(x[:FUSED_INT8_MAX_ROWS])
+    assert y.dtype == torch.bfloat16
+    if layer.fused_int8:
+        assert torch.equal(y, ops.int8_linear(x[:FUSED_INT8_MAX_ROWS], layer.qweight, layer.scales).bfloat16())
+        assert torch.equal(layer(x[3:4]), y[3:4])
+    assert torch.equal(layer(x), layer.dense_mm(x))                    # past the limit: dequantize + GEMM
+    model = torch.nn.Sequential(MirroredPackedLinear(torch.nn.Parameter(w.bfloat16(), requires_grad=False)))
+    assert mix_int8(model) == 1 and isinstance(model[0], RowSplitLinear) and model[0].small.use_fused is False
