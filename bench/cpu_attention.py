@@ -46,7 +46,7 @@ def time_case(B: int, q: int, ctx: int, dtype: torch.dtype, calls: int) -> float
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--calls", type=positive(int), default=200)
     a = ap.parse_args(argv)
     if not cpu_fused.available():
