@@ -181,7 +181,8 @@ def main(argv=None) -> None:
 
 
 def _select_amx(on: bool) -> None:
-    """int4_linear on AMX tiles where it can (``on``) or on its vector kernel, for the variant about to run."""
+    """The quantized ops on AMX tiles where they can (``on``) or on their vector kernels, for the variant about to
+    run (``int4-vector`` turns them off; an int8 model's layers chose their kernel when it was built)."""
     from nightjar.models import cpu_fused
 
     if cpu_fused.available():

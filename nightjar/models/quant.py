@@ -26,7 +26,8 @@ codes feed tile dot products for 16 rows at a time): 0.85x the vector kernel's s
 The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per row) run by the fused CPU op
 ``int8_linear``, whose rows never depend on the step's other rows (bf16 rows on AMX tiles where int4 layers use
 them: 0.95x the vector kernel's speed at one row, 1.8x at 5, 3.4x at 16); where that op does not build, the head
-stays in the model's dtype (docs/quantization.md has the measurements).
+stays in the model's dtype (docs/quantization.md has the measurements). Where ``int8_linear`` runs on AMX tiles,
+a bf16 model's int8 layers use it too, up to ``FUSED_INT8_MAX_ROWS`` rows (in place of torch's packed kernel).
 
 A draft may also be ``mixed`` (the default for a draft beside an unquantized target): its bf16 oneDNN-packed
 layers each get an int8 copy that serves calls of up to ``MIXED_MAX_ROWS`` rows (RowSplitLinear), where
