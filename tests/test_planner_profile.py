@@ -111,7 +111,7 @@ def test_a_profile_measured_with_amx_tiles_is_not_served_without_them(monkeypatc
         assert torch.ops.nightjar_cpu.use_amx(False) is False and not cpu_fused.uses_amx()
         assert (prof.cache_path("smollm2-135m", "none", "bfloat16", quantization="int4") != on) == amx
     finally:
-        torch.ops.nightjar_cpu.use_amx(True)
+        torch.ops.nightjar_cpu.use_amx(cpu_fused.amx_enabled())
 
 
 def test_generate_with_an_auto_profile_measures_then_serves(fake_measure, capsys, smollm2_path):

@@ -325,7 +325,7 @@ def test_int8_linear_on_either_kernel_matches_and_keeps_rows_apart_past_one_tile
         for start, rows in ((0, 1), (5, 16), (3, 17), (20, 17), (0, 33), (4, 5)):
             assert torch.equal(ops.int8_linear(x[start:start + rows].contiguous(), q, s), y[start:start + rows])
     finally:
-        ops.use_amx(True)
+        ops.use_amx(cpu_fused.amx_enabled())
 
 
 def test_int8_linear_rejects_what_it_cannot_compute(ops):
@@ -388,7 +388,7 @@ def test_int4_linear_on_either_kernel_matches_and_keeps_rows_apart_past_one_tile
                 part = ops.int4_linear(x[start:start + rows].contiguous(), layer.qweight, layer.scales, group)
                 assert torch.equal(part, y[start:start + rows])
     finally:
-        ops.use_amx(True)
+        ops.use_amx(cpu_fused.amx_enabled())
 
 
 def test_int4_linear_serves_quantized_layers_and_agrees_with_torchs_kernel(ops):
