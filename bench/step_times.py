@@ -3,8 +3,8 @@
     python bench/step_times.py [--model smollm2-135m] [--dtype bfloat16] [--context 256] [--reps 7]
                                [--variants served,torch] [--batches 1,4,16] [--queries 1,5] [--block 1]
 
-Variants, all built from the same checkpoint and timed interleaved (call by call, round robin) so that a
-noisy machine slows them alike:
+Variants, all built from the same checkpoint and timed interleaved (round robin: call by call, or ``--block K``
+warm calls per turn) so that a noisy machine slows them alike:
   plain   separate q/k/v and gate/up projections, plain ``F.linear`` (the engine before fusion)
   fused   q/k/v and gate/up fused into one GEMM each
   served  what the engine serves: fused, plus oneDNN-packed weights on a bf16 CPU (models/cpu_linear.py) and, on
