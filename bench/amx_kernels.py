@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from nightjar.argtypes import positive
+from nightjar.argtypes import positive, positive_list
 from nightjar.models import cpu_fused
 from nightjar.models.quant import QuantLinear
 
@@ -39,20 +39,9 @@ def best_ms(fn, calls: int, amx: bool, out: dict) -> None:
     out.setdefault(amx, []).append((time.perf_counter() - t0) / calls * 1e3)
 
 
-def row_counts(text: str) -> tuple[int, ...]:
-    """``--rows``: comma-separated counts > 0; anything else is a one-line usage error."""
-    try:
-        rows = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if any(r <= 0 for r in rows):
-        raise argparse.ArgumentTypeError(f"row counts must be > 0: {text!r}")
-    return rows
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=row_counts, default=(1, 2, 3, 5, 8, 16, 17, 32, 64, 128))
+    ap.add_argument("--rows", type=positive_list(int), default=(1, 2, 3, 5, 8, 16, 17, 32, 64, 128))
     ap.add_argument("--rounds", type=positive(int), default=5)
     ap.add_argument("--calls", type=positive(int), default=10)
     a = ap.parse_args(argv)

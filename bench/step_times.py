@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from nightjar.argtypes import positive
+from nightjar.argtypes import positive, positive_list
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
@@ -149,8 +149,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
-    ap.add_argument("--queries", default="1,2,3,5")
+    ap.add_argument("--batches", type=positive_list(int), default=(1, 2, 4, 8, 16, 32, 64))
+    ap.add_argument("--queries", type=positive_list(int), default=(1, 2, 3, 5))
     ap.add_argument("--variants", default="served", help=f"comma-separated, from {','.join(VARIANTS)}")
     ap.add_argument("--block", type=positive(int), default=1,
                     help="calls per variant in each turn, the first untimed (default 1: call by call, cold caches)")
@@ -163,7 +163,7 @@ def main(argv=None) -> None:
     bw = copy_bandwidth(a.device)
     nbytes = first.weight_bytes() - _unread_bytes(first)       # what one step reads
     floor = nbytes / bw
-    Bs, qs = [int(x) for x in a.batches.split(",")], [int(x) for x in a.queries.split(",")]
+    Bs, qs = a.batches, a.queries
     print(f"# {a.model} {a.dtype} on {a.device}, context {a.context}: weights read per step {nbytes / 1e6:.1f} MB, "
           f"copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor * 1e3:.2f} ms; variants {', '.join(names)} "
           f"(interleaved, median of {a.reps}" + (f" turns of {a.block} warm calls)" if a.block > 1 else ")"))

@@ -16,3 +16,13 @@ def positive(kind):
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def positive_list(kind):
+    """An argparse ``type`` for comma-separated numbers of ``kind``, each > 0 (``1,4,16``), as a tuple."""
+    one = positive(kind)
+
+    def parse(text: str):
+        return tuple(one(v) for v in text.split(","))
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
