@@ -227,6 +227,7 @@ def test_the_quick_profile_covers_the_batch_and_draft_lengths_the_planner_reads(
     for row in prof.T:
         assert row == sorted(row)
     assert prof.meta["T_raw"] and prof.draft_T == sorted(prof.draft_T)
+    assert prof.ctx_ref == 16 and prof.kv_s_per_ctx_token >= 0.0             # T timed at 16 tokens a row
 
 
 def test_the_draft_is_timed_right_after_an_untimed_target_forward_as_the_engine_runs_it(monkeypatch):

@@ -4,8 +4,8 @@ each request's acceptance from ``StepVerified``.
 
 Besides B it hands the policy what the model-based planner prices: the draft lag split into prompt
 tokens (the draft prefills every prompt under any γ>0) and generated tokens (what γ=0 steps left
-behind), the prompt tokens entering decode this step, the queue, and the pool's free blocks after the
-previous step's reservation.
+behind), the prompt tokens entering decode this step, the queue, the pool's free blocks after the
+previous step's reservation, and the decode rows' context (the KV a step reads costs apart from T(B, q)).
 
 A policy that ``learns_periods`` (the model-based ``nightjar``) learns step times from each decode step's
 wall-clock period, from its StepScheduled to the next one's (envelope times, so replay sees the same), less its
@@ -42,6 +42,11 @@ def follows_on(rows, next_req_ids, took: float, step_time_s: float) -> bool:
     return not rows.isdisjoint(next_req_ids) and 0.0 < took <= 3.0 * step_time_s + 0.02
 
 
+def context_tokens(s: StepScheduled) -> int:
+    """Tokens of context the step's decode rows read (what their KV holds): the step-time model's context."""
+    return sum(s.starts[:s.num_decode])
+
+
 class Planner(Actor):
     name: ClassVar[str] = "planner"
     subscribes = (StepScheduled, StepTimed, DraftResidency, BlocksReserved, StepVerified)
@@ -66,7 +71,7 @@ class Planner(Actor):
         self.zero_step = -1                       # the step this planner committed to γ = 0 (next_zero)
         self.num_held = 0                         # steps planned 0 by that commitment, the policy choosing γ > 0
         self.by_period = bool(getattr(self.policy, "learns_periods", False))
-        self.last_sched: tuple[int, float, frozenset] | None = None    # (step, time, decode rows)
+        self.last_sched: tuple[int, float, frozenset, int] | None = None    # (step, time, decode rows, context)
         self.last_timed: StepTimed | None = None
         self.periods_used = self.periods_skipped = 0
 
@@ -167,7 +172,7 @@ class Planner(Actor):
                              lag_tokens=gen, prompt_lag_tokens=pr, new_prompt_tokens=new_tok,
                              new_prompts=new_n, num_waiting=s.num_waiting, free_blocks=self.free_blocks,
                              total_blocks=self.total_blocks, draft_blocks=self.draft_blocks,
-                             max_batch=self.max_batch)
+                             max_batch=self.max_batch, context_tokens=context_tokens(s))
         if self.row_stats and not self.per_request:
             nd = s.num_decode
             state = replace(state, req_ids=s.req_ids[:nd], speculate=s.speculate[:nd])
@@ -192,7 +197,7 @@ class Planner(Actor):
     def _learn_period(self, s: StepScheduled, now: float) -> None:
         """Hand the policy the previous decode step's period if this step follows on from it (docstring)."""
         prev, t = self.last_sched, self.last_timed
-        self.last_sched = (s.step, now, frozenset(s.req_ids[:s.num_decode]))
+        self.last_sched = (s.step, now, frozenset(s.req_ids[:s.num_decode]), context_tokens(s))
         if prev is None or t is None or t.step != prev[0] or s.step != prev[0] + 1:
             return
         took = now - prev[1] - t.catchup_time_s
@@ -200,4 +205,4 @@ class Planner(Actor):
             self.periods_skipped += 1
             return
         self.periods_used += 1
-        self.policy.observe_period(t, took)
+        self.policy.observe_period(t, took, prev[3])

@@ -85,6 +85,7 @@ class PlannerState:
     max_batch: int = 1 << 30
     req_ids: tuple[int, ...] = ()      # decode rows (only for a policy that ``observes_rows``)
     speculate: tuple[bool, ...] = ()   # per decode row: may it draft
+    context_tokens: int = -1           # Σ context (tokens in the KV) over the decode rows; -1: unknown
 
 
 # ---------------------------------------------------------------- helpers

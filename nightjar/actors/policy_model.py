@@ -17,7 +17,10 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
   without one, a generic roofline-shaped prior (then the level is kept per bucket and arms not yet played
   in a bucket take the line through the played arms' times over γ). Its draft part is re-priced at the
   measured draft seconds per priced pass (``draft_scale``, from ``StepTimed.draft_time_s``), so the draft's
-  error is learned apart from the target's. ``level`` is learned online from
+  error is learned apart from the target's. The profile's T is timed at one context a row (``ctx_ref``);
+  its ``kv_s_per_ctx_token`` prices the decode rows' own context past it (``context_base``, the same for
+  every γ, negative for shorter rows), so that γ's share of a step is priced at the context served.
+  ``level`` is learned online from
   decode steps; each step's surprise is split between the level and the played arm by how well the arm
   is known. Prefill tokens in a mixed step get their own learned per-token term and are subtracted (until
   that term has data such steps are left out). m(c, γ) is the per-(bucket, γ) correction: the discounted
@@ -252,6 +255,8 @@ class _Scaled:
         self.prefill_s_per_token = getattr(profile, "prefill_s_per_token", 0.0) * scale
         self.catchup_c0 = getattr(profile, "catchup_c0", 0.0) * scale
         self.catchup_per_token = getattr(profile, "catchup_per_token", 0.0) * scale
+        self.kv_s_per_ctx_token = getattr(profile, "kv_s_per_ctx_token", 0.0) * scale
+        self.ctx_ref = getattr(profile, "ctx_ref", 0)
 
     def target_time(self, b: float, q: float) -> float:
         return self.p.target_time(b, q) * self.scale
@@ -359,16 +364,27 @@ class ModelNightjarPolicy(Policy):
         c1 = getattr(p, "catchup_per_token", None) if p is not None else None
         return None if c1 is None else (float(getattr(p, "catchup_c0", 0.0)), float(c1))
 
-    def base_row(self, b: int, heads: float | None = None) -> list[float]:
+    def base_row(self, b: int, heads: float | None = None, ctx: float = -1) -> list[float]:
         """base(B, γ) for γ = 0..gamma_max (in the level's units, for the bucket ``_ctx`` selected): the
         target's forward plus γ draft passes, each priced at the profile's (or the generic prior's) pass
         until a draft time was measured, then at the measured seconds (``draft_scale``) over the level.
-        ``heads``: rows the draft passes run (the others draft by prompt lookup), B when not given."""
+        ``heads``: rows the draft passes run (the others draft by prompt lookup), B when not given; ``ctx``:
+        the rows' context in all (``context_base``; < 0: the profile's own)."""
         tgt, dpass = self._base_parts(b)
         if heads is not None and heads < b:
             dpass = self._pass_of(b, heads)
         d = dpass * self._draft_factor()
-        return [max(t + g * d, 1e-9) for g, t in enumerate(tgt)]
+        add = self.context_base(b, ctx)
+        return [max(max(t + add, 0.2 * t) + g * d, 1e-9) for g, t in enumerate(tgt)]
+
+    def context_base(self, b: float, ctx: float) -> float:
+        """What B rows reading ``ctx`` tokens of context in all add to the profile's T(B, q) (negative when
+        shorter than the context it was timed at): its ``kv_s_per_ctx_token`` past ``ctx_ref`` a row. The same
+        for every γ: a verify row's queries read its KV once. 0 without a profile or a context."""
+        kv = getattr(self.profile, "kv_s_per_ctx_token", 0.0) if self.profile is not None else 0.0
+        if not kv or ctx < 0:
+            return 0.0
+        return kv * (ctx - b * getattr(self.profile, "ctx_ref", 0))
 
     def _pass_of(self, b: int, heads: float) -> float:
         """One draft pass over ``heads`` rows of a B-row step, linear between whole rows (0 rows: free)."""
@@ -559,7 +575,7 @@ class ModelNightjarPolicy(Policy):
         if not state.draft_resident or batch_size <= 0:
             return 0
         b, c = batch_size, bucket(batch_size)
-        arms, row = self._ctx(c), self.base_row(b, self._heads(b))
+        arms, row = self._ctx(c), self.base_row(b, self._heads(b), state.context_tokens)
         z = self.z
         if self.harmonic and state.req_ids:
             e_hi = self._rows_e(state)
@@ -702,7 +718,8 @@ class ModelNightjarPolicy(Policy):
             return math.inf
         b2 = b + extra
         now, c = self._now, self._c
-        t, _ = self._time(self._ctx(bucket(b2))[0], self.base_row(b2)[0])
+        ctx = state.context_tokens * b2 / b if state.context_tokens >= 0 else -1
+        t, _ = self._time(self._ctx(bucket(b2))[0], self.base_row(b2, None, ctx)[0])
         self._now, self._c = now, c
         self.kv_decisions += 1
         return t / b2
@@ -733,20 +750,22 @@ class ModelNightjarPolicy(Policy):
             if learn_time:
                 self._learn_time(r, r.step_time_s)
 
-    def observe_period(self, result: StepTimed, seconds: float) -> None:
+    def observe_period(self, result: StepTimed, seconds: float, context_tokens: int = -1) -> None:
         """What the step cost the engine: its wall-clock period (one schedule to the next, catch-up taken
         out), the bus, the hand-offs and a run-ahead's overlap included. Learnt in place of its model time:
-        a drafting step pays hops a γ = 0 step runs ahead of (actors/planner.py)."""
+        a drafting step pays hops a γ = 0 step runs ahead of (actors/planner.py). ``context_tokens``: its
+        decode rows' context (``PlannerState.context_tokens``), priced as ``decide`` prices it."""
         if result.batch_size > 0 and 0 <= result.gamma <= self.gamma_max and seconds > 0.0:
-            self._learn_time(result, seconds)
+            self._learn_time(result, seconds, context_tokens)
 
-    def _learn_time(self, r: StepTimed, t: float) -> None:
+    def _learn_time(self, r: StepTimed, t: float, ctx: int = -1) -> None:
         b, g = r.batch_size, r.gamma
         arm = self._ctx(bucket(b))[g]                 # first: the base's draft part reads the bucket's level
         if r.drafted_per_pos:
-            base = self.mixed_base(b, r.drafted_per_pos)
+            tgt = self._base_parts(b)[0][0]
+            base = self.mixed_base(b, r.drafted_per_pos) + max(self.context_base(b, ctx), -0.8 * tgt)
         else:
-            base = self.base_row(b, b - r.lookup_drafts)[g]
+            base = self.base_row(b, b - r.lookup_drafts, ctx)[g]
         if (b, g) not in self._shapes:
             self._shapes.add((b, g))
             if self._cold(arm, base, t):

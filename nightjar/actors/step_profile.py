@@ -2,9 +2,10 @@
 roofline estimate for a named GPU and model shape.
 
 A profile answers, in seconds:
-  target_time(B, q)      one target forward of B decode rows with q tokens each (γ+1 when verifying)
-  + kv_s_per_ctx_token   per token of context read by the batch (roofline only; measured profiles fold
-                         it into T at their context length)
+  target_time(B, q)      one target forward of B decode rows with q tokens each (γ+1 when verifying), each row
+                         at ``ctx_ref`` tokens of context (0: the roofline's T reads no KV)
+  + context_time(...)    kv_s_per_ctx_token per token of context the rows read beyond ``ctx_ref`` each (fewer:
+                         negative); a measured profile times T(B, 1) at two contexts for it
   + prefill_s_per_token  per prefill token in the same step
   draft_time(B)          one batched draft call (a step with γ makes γ calls)
   catchup_s(tokens)      draft catch-up prefill of lagging rows
@@ -67,6 +68,7 @@ class Profile:
     block_size: int
     draft_blocks: int
     kv_s_per_ctx_token: float = 0.0
+    ctx_ref: int = 0                  # context per row that T already pays for (a measured profile's context)
     step_overhead_s: float = 0.0      # wall time per step outside the forwards (not in StepTimed.step_time_s)
     meta: dict = field(default_factory=dict)
 
@@ -79,6 +81,11 @@ class Profile:
 
     def draft_time(self, b: float) -> float:
         return 0.0 if b <= 0 else max(_interp(self.draft_B, self.draft_T, b), 0.0)
+
+    def context_time(self, ctx_tokens: float, rows: float) -> float:
+        """Seconds a step whose ``rows`` decode rows read ``ctx_tokens`` tokens of context in all pays on top of
+        T(B, q): the tokens past ``ctx_ref`` a row (negative below it)."""
+        return self.kv_s_per_ctx_token * (ctx_tokens - rows * self.ctx_ref)
 
     def catchup_s(self, tokens: int) -> float:
         return self.catchup_c0 + self.catchup_per_token * tokens if tokens > 0 else 0.0

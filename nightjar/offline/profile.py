@@ -14,6 +14,8 @@ Measures (lower quartile of interleaved repetitions after two warm-up passes, on
                   2 tokens, as the engine runs it (the target evicts the draft's weights from the caches:
                   on this CPU the draft then takes 1.12-1.18x its back-to-back time)
   prefill         target seconds per prompt token (one 128-token chunk)
+  context         seconds per token of context a decode row reads (``kv_s_per_ctx_token``): T(B, 1) at ``--ctx``
+                  against ctx/8 at B = 32 and 64; T is priced at the rows' own context from there (``ctx_ref``)
   catch-up        draft prefill cost c0 + c1·tokens
   transfer        host copy of the draft (weights + KV) and back
   step overhead   the engine's per-step cost beyond the forwards (bus hand-offs, sampling, scheduling),
@@ -180,7 +182,27 @@ def _measure_target(tb: _Bench, reps: int, log) -> dict:
     raw = [[_stat(samples[(i, j)]) for j in range(len(qs))] for i in range(len(Bs))]
     T = monotone_grid(raw)
     pre = _quartile_time(lambda: tb.forward(1, 128, 0), reps)
-    return {"B": Bs, "q": qs, "T": T, "T_raw": raw, "ctx": tb.ctx, "prefill_s_per_token": max(pre - T[0][0], 0.0) / 127}
+    return {"B": Bs, "q": qs, "T": T, "T_raw": raw, "ctx": tb.ctx, "prefill_s_per_token": max(pre - T[0][0], 0.0) / 127,
+            "kv_s_per_ctx_token": context_slope(tb, reps)}
+
+
+def context_slope(tb: _Bench, reps: int) -> float:
+    """Seconds per token of context a decode row reads: T(B, 1) at the profile's context against an eighth of
+    it, interleaved, at the grid's two largest B (where the KV read stands out of the noise), the mean of
+    the two slopes. The grid is timed at one context; served rows are shorter or longer, and the KV they
+    read is a cost of its own that does not grow with q (the fused attention reads a row's KV once for all
+    its queries): on this box's int4 model T(64, 1) was 34 ms at 96 tokens against 56 at 256."""
+    lo, out = tb.ctx // 8, []
+    for b in GRID_B[-2:]:
+        hi_ts, lo_ts = [], []
+        for r in range(reps + 2):
+            for start, ts in ((tb.ctx, hi_ts), (lo, lo_ts)):
+                t0 = time.perf_counter()
+                tb.forward(b, 1, start)
+                if r >= 2:
+                    ts.append(time.perf_counter() - t0)
+        out.append(max(_stat(hi_ts) - _stat(lo_ts), 0.0) / (b * (tb.ctx - lo)))
+    return sum(out) / len(out)
 
 
 def _measure_draft(tb: _Bench, db: _Bench, reps: int) -> dict:
@@ -243,6 +265,7 @@ def build_profile(target, draft, *, name: str, block_size: int = 16, ctx: int = 
                    catchup_per_token=m["catchup_per_token"], offload_s=m["offload_s"], reload_s=m["reload_s"],
                    draft_bytes=m["draft_bytes"], num_blocks=num_blocks, block_size=block_size,
                    draft_blocks=draft_blocks, step_overhead_s=overhead_s,
+                   kv_s_per_ctx_token=m["kv_s_per_ctx_token"], ctx_ref=ctx,
                    meta={"ctx": ctx, "step_overhead_s": overhead_s, "torch": torch.__version__, "T_raw": m["T_raw"],
                          "threads": torch.get_num_threads(), "quick": quick, "measured": time.time()})
 

@@ -86,7 +86,7 @@ def decode_step(step: int, rows=(0, 1)) -> StepScheduled:
 def period_planner():
     p = Planner("nightjar", gamma_max=4, seed=0, has_draft=True)
     got = []
-    p.policy.observe_period = lambda t, s: got.append((t.step, round(s, 6)))
+    p.policy.observe_period = lambda t, s, ctx: got.append((t.step, round(s, 6)))
     return p, got
 
 

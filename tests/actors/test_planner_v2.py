@@ -262,6 +262,37 @@ def test_switching_on_pays_the_generated_lag_spread_over_the_dwell_and_prompts_i
     assert p2.decide(32, PlannerState(True, 90, 0, lag_tokens=32 * 90)) == 0
 
 
+def test_the_rows_context_is_priced_apart_from_the_profile_s_grid():
+    """A step reads its rows' KV besides the weights: on the AMX box's int4 model T(64, 1) was 34 ms at 96
+    tokens a row against 56 at 256 and T(64, 3) 79 against 105, about the same 22 ms for each q. The profile
+    times its grid at one context (``ctx_ref``) and prices the rest at ``kv_s_per_ctx_token``, the same for
+    every γ: learnt at the rows' own context the level stays the profile's, and at 16 rows accepting a
+    quarter of first drafts a short context keeps γ = 0 while a long one makes γ = 1 pay (its extra tokens
+    share the KV read)."""
+    prof = Profile.from_json({**CPU_QUIET.to_json(), "kv_s_per_ctx_token": 9.8e-6, "ctx_ref": 256})
+    b = 16
+
+    def trained(per_row: int):
+        pol = nightjar(prof)
+        for i in range(120):
+            g = i % 2
+            t = prof.target_time(b, g + 1) + g * prof.draft_time(b) + prof.context_time(b * per_row, b)
+            r = timed(b, g, t, b + (b // 4 if g else 0), accepted_per_pos=(b // 4,) if g else (),
+                      num_drafts=b if g else 0)
+            pol.observe(r, learn_time=False)
+            pol.observe_period(r, t, b * per_row)
+        return pol
+
+    assert prof.context_time(b * 256, b) == 0.0
+    shift = [x - y for x, y in zip(nightjar(prof).base_row(b, None, b * 64), nightjar(prof).base_row(b))]
+    assert shift == pytest.approx([9.8e-6 * b * (64 - 256)] * 5)               # the same for every γ
+    for per_row, drafts in ((64, False), (1024, True)):
+        pol = trained(per_row)
+        assert pol.level == pytest.approx(1.0, rel=0.1)                       # not the context's ratio
+        g = pol.decide(b, PlannerState(prev_gamma=0, context_tokens=b * per_row))
+        assert (g > 0) == drafts, (per_row, g)
+
+
 def test_kv_opportunity_cost_turns_speculation_off_only_when_the_pool_is_the_limit():
     env = PlannerEnv(A100, WEAK)      # B=24: γ>0 wins by ~20 %, 9 more rows at γ=0 would win by more
     rng = random.Random(0)
@@ -294,6 +325,7 @@ def test_the_planner_actor_splits_the_lag_into_prompt_and_generated_tokens():
     assert (s.lag_tokens, s.prompt_lag_tokens) == (6, 40)
     assert (s.new_prompt_tokens, s.new_prompts) == (40, 1)
     assert (s.num_waiting, s.free_blocks, s.total_blocks, s.draft_blocks, s.max_batch) == (3, 5, 50, 10, 8)
+    assert s.context_tokens == 46 + 30                     # the decode rows' context: what their KV holds
 
 
 def test_nightjar_decides_with_no_randomness_and_validates_options():

@@ -1,6 +1,8 @@
 """``nightjar profile``'s measurement grid (its isotonic fit: tests/test_planner_profile.py)."""
 from collections import Counter
 
+import pytest
+
 import nightjar.offline.profile as prof
 
 
@@ -22,3 +24,17 @@ def test_the_small_batch_cells_get_more_repetitions_than_the_large_ones(tiny_pai
     T = out["T"]
     assert all(T[i][j] <= T[i][j + 1] for i in range(len(T)) for j in range(len(T[0]) - 1))    # monotone in q
     assert all(T[i][j] <= T[i + 1][j] for i in range(len(T) - 1) for j in range(len(T[0])))    # and in B
+
+
+def test_the_context_slope_is_the_kv_read_per_token_a_decode_row(monkeypatch):
+    """T(B, 1) at the profile's context against an eighth of it, per row and token of context between."""
+    clock = [0.0]
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: clock[0])
+
+    class Bench:
+        ctx = 256
+
+        def forward(self, b, q, start=None):
+            clock[0] += 0.005 + 1.5e-6 * b * (self.ctx if start is None else start)
+
+    assert prof.context_slope(Bench(), reps=3) == pytest.approx(1.5e-6)

@@ -8,7 +8,7 @@ import pytest
 from nightjar.actors.step_profile import Profile, roofline_profile
 from nightjar.kernel.messages import StepTimed
 from nightjar.offline.replay import replay_file
-from nightjar.offline.sim.executors import fit_acceptance
+from nightjar.offline.sim.executors import context_s, fit_acceptance
 from nightjar.offline.sim.workload import make_workload, stress_rates
 from nightjar.offline.simulate import SimConfig, simulate
 from nightjar.offline.simulate import main as simulate_main
@@ -64,6 +64,16 @@ def test_acceptance_is_fitted_per_position_from_step_timings():
     steps = [StepTimed(step=i, batch_size=10, gamma=3, step_time_s=0.01, tokens_emitted=20, num_drafts=10,
                        accepted_per_pos=(8, 4, 2)) for i in range(5)]
     assert fit_acceptance(steps, 3) == pytest.approx((0.8, 0.5, 0.5))
+
+
+def test_the_simulated_step_pays_the_context_past_what_the_profile_timed():
+    """A roofline's T reads no KV (every context token is priced); a measured profile's T already paid for
+    ``ctx_ref`` tokens a decode row, so only the difference is added (negative for shorter rows)."""
+    roof = roofline_profile("a100", "13b")
+    assert context_s(roof, (100, 300, 0), 2) == pytest.approx(roof.kv_s_per_ctx_token * 400)
+    measured = Profile.from_json({**roof.to_json(), "kv_s_per_ctx_token": 1e-6, "ctx_ref": 256})
+    assert context_s(measured, (100, 300, 40), 2) == pytest.approx(1e-6 * (440 - 2 * 256))
+    assert context_s(Profile.from_json({**roof.to_json(), "kv_s_per_ctx_token": 0.0}), (100,), 1) == 0.0
 
 
 def test_the_cli_prints_one_row_per_policy(capsys):

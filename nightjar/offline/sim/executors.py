@@ -45,6 +45,12 @@ def fit_acceptance(steps, gamma_max: int) -> tuple[float, ...]:
     return tuple(out)
 
 
+def context_s(p: Profile, starts, nd: int) -> float:
+    """Seconds the rows' KV reads add to T: every row's context (a prefill chunk reads its earlier chunks), less
+    the ``ctx_ref`` per decode row that T already pays for (``Profile.context_time``)."""
+    return p.context_time(sum(starts), nd) if p.kv_s_per_ctx_token else 0.0
+
+
 class SimExecutor:
     """Draft + verifier on a virtual clock: wall time from the profile, acceptance from the model."""
     name: ClassVar[str] = "verifier"
@@ -104,14 +110,13 @@ class SimExecutor:
             n_pre += len(chunk)
             counts.append(1 if done else 0)
             accepted.append(0)
-        ctx = sum(s.starts) if p.kv_s_per_ctx_token else 0
         q = g + 1 if n_spec else 1
         T = self.T
         if n_spec == nd:
             verify = T[nd][q]
         else:                               # one forward: the non-drafting rows feed 1 token each
             verify = verify_by_tokens(T[nd], nd, n_spec * (q - 1))
-        verify += p.kv_s_per_ctx_token * ctx + p.prefill_s_per_token * n_pre
+        verify += context_s(p, s.starts, nd) + p.prefill_s_per_token * n_pre
         if nd == 0 and n_pre:
             verify += self.T[1][1]          # a prefill-only step still pays one forward's fixed cost
         draft = g * self.Td[n_spec] if n_spec else 0.0
@@ -159,8 +164,7 @@ class SimExecutor:
         layers = layer_counts(gam, g)
         verify = verify_by_tokens(T[nd], nd, sum(layers)) if nd else 0.0
         draft = sum(Td[n] for n in layers)
-        ctx = sum(s.starts) if p.kv_s_per_ctx_token else 0
-        verify += p.kv_s_per_ctx_token * ctx + p.prefill_s_per_token * n_pre
+        verify += context_s(p, s.starts, nd) + p.prefill_s_per_token * n_pre
         if nd == 0 and n_pre:
             verify += T[1][1]
         n_spec = sum(1 for x in gam if x)
