@@ -172,7 +172,8 @@ class Planner(Actor):
                              lag_tokens=gen, prompt_lag_tokens=pr, new_prompt_tokens=new_tok,
                              new_prompts=new_n, num_waiting=s.num_waiting, free_blocks=self.free_blocks,
                              total_blocks=self.total_blocks, draft_blocks=self.draft_blocks,
-                             max_batch=self.max_batch, context_tokens=context_tokens(s))
+                             max_batch=self.max_batch, context_tokens=context_tokens(s),
+                             prefill_tokens=sum(map(len, s.chunk_ids[s.num_decode:])))
         if self.row_stats and not self.per_request:
             nd = s.num_decode
             state = replace(state, req_ids=s.req_ids[:nd], speculate=s.speculate[:nd])

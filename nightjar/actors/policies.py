@@ -86,6 +86,7 @@ class PlannerState:
     req_ids: tuple[int, ...] = ()      # decode rows (only for a policy that ``observes_rows``)
     speculate: tuple[bool, ...] = ()   # per decode row: may it draft
     context_tokens: int = -1           # Σ context (tokens in the KV) over the decode rows; -1: unknown
+    prefill_tokens: int = 0            # prompt tokens the step's prefill rows feed beside the decode rows
 
 
 # ---------------------------------------------------------------- helpers

@@ -304,6 +304,8 @@ class ModelNightjarPolicy(Policy):
         self.noise2 = 0.05 ** 2             # per-step squared relative deviation (EMA)
         self.pf_nx = self.pf_xx = 0.0       # prefill seconds/token: Σ n·resid, Σ n²  (discounted)
         self.pf_obs = 0
+        self.mix_w = self.mix_s = 0.0       # extra seconds per token drafted beside a prompt chunk: Σ w, Σ w·x
+        self.mix_t = 0                      # ``clock`` at its last sample
         self.switch = SwitchCostModel("sum", self._catchup_seed(), robust=True)
         self.switch_cost, self.prompt_charge, self.kv_cost = switch_cost, prompt_charge, kv_cost
         self.dwell, self._run = float(dwell0), 0
@@ -576,7 +578,8 @@ class ModelNightjarPolicy(Policy):
             return 0
         b, c = batch_size, bucket(batch_size)
         arms, row = self._ctx(c), self.base_row(b, self._heads(b), state.context_tokens)
-        z = self.z
+        z, mixed = self.z, state.prefill_tokens > 0
+        x = self.mixed_extra if mixed else 0.0
         if self.harmonic and state.req_ids:
             e_hi = self._rows_e(state)
         else:
@@ -589,7 +592,7 @@ class ModelNightjarPolicy(Policy):
         tree = self.tree_rate(c)
         for g in range(1, self.gamma_max + 1):
             t, se = ts[g]
-            scores.append((t * (1.0 - z * se) + extra) / (b * (e_hi[g] + tree)))
+            scores.append((t * (1.0 - z * se) + extra + x * b * g) / (b * (e_hi[g] + tree)))
         if self.kv_cost and self.elastic_memory:
             scores[0] = min(scores[0], self._kv_alt(b, state))
         self.last_scores = scores
@@ -602,7 +605,8 @@ class ModelNightjarPolicy(Policy):
             h = self.hyst_onoff if best == 0 else self.hyst     # switching on already pays its catch-up
             if scores[best] > (1.0 - h) * scores[cur]:
                 best = cur
-        self._cur[c] = best
+        if not mixed:                   # a step with a prompt chunk decides for itself, not for its bucket
+            self._cur[c] = best
         self.decisions += 1
         self.last_explore = False
         return best
@@ -742,7 +746,7 @@ class ModelNightjarPolicy(Policy):
                 if self.looked is not None:
                     self.looked.observe(r)
             self._learn_tree(r)
-        elif self._run:
+        elif self._run and not r.num_prefill_tokens:     # a prompt chunk's γ = 0 step does not end a run
             self.dwell = min(512.0, max(16.0, 0.9 * self.dwell + 0.1 * self._run))
             self._run = 0
         if r.step_time_s > 0.0:
@@ -773,7 +777,11 @@ class ModelNightjarPolicy(Policy):
         if r.num_prefill_tokens > 0:
             if self._level() <= 0.0:
                 return
-            t = self._strip_prefill(t, r.num_prefill_tokens, self._time(arm, base)[0])
+            pred = self._time(arm, base)[0]
+            if g > 0:                           # priced apart: a decode arm does not learn it
+                self._learn_mixed(r, t, pred)
+                return
+            t = self._strip_prefill(t, r.num_prefill_tokens, pred)
             if t is None:
                 return
         lvl = self._level()
@@ -814,6 +822,31 @@ class ModelNightjarPolicy(Policy):
             for a in arms:
                 a.s /= avg
 
+    @property
+    def mixed_extra(self) -> float:
+        """Seconds a drafted token costs a step that carries a prompt chunk beyond its price in a decode-only step:
+        the samples' mean beside one pseudo-sample at 0, the samples fading by ``fade`` per decode step since the
+        last one, so an estimate that keeps such steps at γ = 0 (where it is not measured) is tried again once
+        the prompt tokens' own price was learnt from them. Never below 0."""
+        w, s = self._faded(self.mix_w, self.mix_s, self.mix_t, self.clock)
+        return max(0.0, s / (w + 1.0))
+
+    def _learn_mixed(self, r: StepTimed, t: float, pred: float) -> None:
+        """A drafting step with a prompt chunk: what it took beyond the decode-only price of its γ and the
+        prompt tokens' own price (learnt from γ = 0 mixed steps, the profile's until then), per drafted token.
+        There the forward is past its flat region, so a verify token costs the full per-token rate; and the head's
+        work on the prompt's features delays the step (docs/planner.md)."""
+        n = r.num_prefill_tokens
+        pf = self.pf_nx / self.pf_xx if self.pf_obs >= 3 and self.pf_xx > 0.0 else None
+        if pf is None:
+            p = getattr(self.profile, "prefill_s_per_token", None) if self.profile is not None else None
+            if p is None:
+                return
+            pf = p
+        x = (t - pred - max(0.0, pf) * n) / max(1, (r.num_drafts or r.batch_size) * r.gamma)
+        w, s = self._faded(self.mix_w, self.mix_s, self.mix_t, self.clock)
+        self.mix_w, self.mix_s, self.mix_t = 0.95 * w + 1.0, 0.95 * s + x, self.clock
+
     def _strip_prefill(self, t: float, n: int, pred: float) -> float | None:
         """Decode-only time of a mixed step (None while the per-token prefill term is unlearned)."""
         resid = t - pred
@@ -840,6 +873,7 @@ class ModelNightjarPolicy(Policy):
                 "rho": [self.accept.rho(i) for i in range(self.gamma_max)], "E": list(self.accept.e),
                 "accept_alarms": self.accept.alarms, "dwell": self.dwell,
                 "prefill_s_per_token": self.pf_nx / self.pf_xx if self.pf_xx else None,
+                "mixed_extra_s_per_drafted_token": self.mixed_extra,
                 "c_switch": None if ab is None else list(ab), "contexts": ctxs,
                 "decisions": self.decisions, "kv_decisions": self.kv_decisions, "per_request": self.per_request,
                 "tree_rate": {bucket_label(c): self.tree_rate(c) for c in sorted(self._tree)},

@@ -293,6 +293,30 @@ def test_the_rows_context_is_priced_apart_from_the_profile_s_grid():
         assert (g > 0) == drafts, (per_row, g)
 
 
+def test_drafting_beside_a_prompt_chunk_is_priced_apart_from_decode_only_steps():
+    """On the AMX box (bf16, 15 rows) a drafting step that carried a 47-token prompt chunk took 16 ms more than a
+    γ = 0 one for 10.5 tokens more, 1.5 ms a token against 1.1 in decode-only steps, where drafting was level
+    with γ = 0: its verify tokens join a forward past its flat region, and the head's work on the prompt delays
+    it. Such steps teach a per-drafted-token extra (against the prompt tokens' price learnt from γ = 0 chunk
+    steps), not the decode arms; a step with a chunk then plans γ = 0 while decode-only steps keep drafting.
+    Here the extra is set past what drafting gains at 16 rows (acceptance 0.8)."""
+    pol, env, rng = nightjar(CPU_QUIET), PlannerEnv(CPU_QUIET, GOOD), random.Random(0)
+    b, n, extra = 16, 48, 4e-3
+    pf = CPU_QUIET.prefill_s_per_token
+    for i in range(240):
+        g = 0 if i % 12 == 5 else 2
+        r = env.step(b, g, rng)
+        if i % 6 == 5:                                  # a prompt chunk: at γ = 0 or γ = 2 in turn
+            t = r.step_time_s + pf * n + extra * b * g
+            r = msgspec.structs.replace(r, step_time_s=t, num_prefill_tokens=n)
+        pol.observe(r)
+    assert pol.predict(b, 2)[0] == pytest.approx(env.mean_time(b, 2), rel=0.05)    # decode arms: their own
+    assert pol.mixed_extra == pytest.approx(extra, rel=0.2)
+    assert pol.decide(b, PlannerState(prev_gamma=2)) > 0
+    assert pol.decide(b, PlannerState(prev_gamma=2, prefill_tokens=n)) == 0
+    assert pol.decide(b, PlannerState(prev_gamma=2)) > 0             # a chunk's γ = 0 leaves the bucket drafting
+
+
 def test_kv_opportunity_cost_turns_speculation_off_only_when_the_pool_is_the_limit():
     env = PlannerEnv(A100, WEAK)      # B=24: γ>0 wins by ~20 %, 9 more rows at γ=0 would win by more
     rng = random.Random(0)
@@ -326,6 +350,7 @@ def test_the_planner_actor_splits_the_lag_into_prompt_and_generated_tokens():
     assert (s.new_prompt_tokens, s.new_prompts) == (40, 1)
     assert (s.num_waiting, s.free_blocks, s.total_blocks, s.draft_blocks, s.max_batch) == (3, 5, 50, 10, 8)
     assert s.context_tokens == 46 + 30                     # the decode rows' context: what their KV holds
+    assert s.prefill_tokens == 0
 
 
 def test_nightjar_decides_with_no_randomness_and_validates_options():
