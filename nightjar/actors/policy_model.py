@@ -20,10 +20,12 @@ Per decode step it predicts, for every γ, seconds per emitted token and plays t
   error is learned apart from the target's. The profile's T is timed at one context a row (``ctx_ref``);
   its ``kv_s_per_ctx_token`` prices the decode rows' own context past it (``context_base``, the same for
   every γ, negative for shorter rows), so that γ's share of a step is priced at the context served.
-  ``level`` is learned online from
-  decode steps; each step's surprise is split between the level and the played arm by how well the arm
-  is known. Prefill tokens in a mixed step get their own learned per-token term and are subtracted (until
-  that term has data such steps are left out). m(c, γ) is the per-(bucket, γ) correction: the discounted
+  ``level`` is learned online from decode-only steps' timed forward and draft passes; each step's surprise
+  is split between the level and the played arm by how well the arm is known. What a step's wall-clock period
+  holds past that is learnt per family (``outside``: γ = 0 or drafting, with or without a prompt chunk) and
+  added to its arms. A γ = 0 step with a prompt chunk teaches a per-prompt-token term; a drafting one a
+  per-drafted-token extra (``mixed_extra``) that ``decide`` adds to γ > 0 when the step carries a chunk.
+  m(c, γ) is the per-(bucket, γ) correction: the discounted
   mean of the measured ratio T / (level · base) shrunk toward 1 by ``prior_weight`` pseudo-samples; its
   standard error falls from ``model_sd`` to the per-step noise / √samples. While an arm rests its samples fade
   (``fade`` per step of its bucket): its mean returns to what its bucket's other arms measure, and its
@@ -306,6 +308,7 @@ class ModelNightjarPolicy(Policy):
         self.pf_obs = 0
         self.mix_w = self.mix_s = 0.0       # extra seconds per token drafted beside a prompt chunk: Σ w, Σ w·x
         self.mix_t = 0                      # ``clock`` at its last sample
+        self._outside: dict[tuple[bool, bool, int], tuple[float, float]] = {}   # (drafting, chunk, bucket): Σw, Σw·s
         self.switch = SwitchCostModel("sum", self._catchup_seed(), robust=True)
         self.switch_cost, self.prompt_charge, self.kv_cost = switch_cost, prompt_charge, kv_cost
         self.dwell, self._run = float(dwell0), 0
@@ -482,9 +485,31 @@ class ModelNightjarPolicy(Policy):
             self._levels[self._c] = v
 
     def predict(self, b: int, g: int) -> tuple[float, float]:
-        """(T̂ seconds, its relative standard error) for B rows at γ (no extras)."""
-        arms = self._ctx(bucket(b))
-        return self._time(arms[g], self.base_row(b)[g])
+        """(T̂ seconds, its relative standard error) for B rows at γ (no extras), its period outside the timed
+        forward and draft passes included."""
+        c = bucket(b)
+        t, se = self._time(self._ctx(c)[g], self.base_row(b)[g])
+        return t + self.outside(g, False, c), se
+
+    def outside(self, g: int, chunk: bool, c: int) -> float:
+        """Seconds a step of γ's family (γ = 0, or drafting) with or without a prompt chunk takes in bucket ``c``
+        past its timed forward and draft passes (bus hand-offs, the head's work on features, Python per row; a
+        γ = 0 step runs ahead of much of it): the family's discounted mean in the bucket, else in the nearest
+        bucket that has one, else the chunk-less family's, else 0."""
+        f, out = g > 0, self._outside
+        for ch in ((chunk, False) if chunk else (False,)):
+            got = out.get((f, ch, c))
+            if got is None:
+                near = [(abs(k[2] - c), v) for k, v in out.items() if k[0] == f and k[1] == ch]
+                got = min(near)[1] if near else None
+            if got is not None:
+                return got[1] / got[0]
+        return 0.0
+
+    def _learn_outside(self, r: StepTimed, seconds: float) -> None:
+        key = (r.gamma > 0, r.num_prefill_tokens > 0, bucket(r.batch_size))
+        w, s = self._outside.get(key, (0.0, 0.0))
+        self._outside[key] = (0.95 * w + 1.0, 0.95 * s + seconds - r.step_time_s)
 
     def _pooled(self, arms: list[_Arm]) -> tuple[float, float] | None:
         """(Σ w, Σ s) over a bucket's arms with a profile; None without one (``_prior_of``)."""
@@ -588,6 +613,8 @@ class ModelNightjarPolicy(Policy):
         ts = self._times(arms, row)
         if self.profile is None:
             _extrapolate(ts, arms)
+        o0, o1 = self.outside(0, mixed, c), self.outside(1, mixed, c)
+        ts = [(t + (o1 if g else o0), se) for g, (t, se) in enumerate(ts)]
         scores = [ts[0][0] * (1.0 - z * ts[0][1]) / b]
         tree = self.tree_rate(c)
         for g in range(1, self.gamma_max + 1):
@@ -645,6 +672,8 @@ class ModelNightjarPolicy(Policy):
         ts = self._times(arms, row)
         if self.profile is None:
             _extrapolate(ts, arms)
+        o0, o1 = self.outside(0, False, c), self.outside(1, False, c)
+        ts = [(t + (o1 if g else o0), se) for g, (t, se) in enumerate(ts)]
         z, G = self.z, self.gamma_max
         factor = [t * (1.0 - z * se) / base for (t, se), base in zip(ts, row)]
         factor[0] = ts[0][0] / row[0]           # no optimism for not drafting at all (see docs/planner.md)
@@ -724,6 +753,7 @@ class ModelNightjarPolicy(Policy):
         now, c = self._now, self._c
         ctx = state.context_tokens * b2 / b if state.context_tokens >= 0 else -1
         t, _ = self._time(self._ctx(bucket(b2))[0], self.base_row(b2, None, ctx)[0])
+        t += self.outside(0, False, bucket(b2))
         self._now, self._c = now, c
         self.kv_decisions += 1
         return t / b2
@@ -756,11 +786,18 @@ class ModelNightjarPolicy(Policy):
 
     def observe_period(self, result: StepTimed, seconds: float, context_tokens: int = -1) -> None:
         """What the step cost the engine: its wall-clock period (one schedule to the next, catch-up taken
-        out), the bus, the hand-offs and a run-ahead's overlap included. Learnt in place of its model time:
-        a drafting step pays hops a γ = 0 step runs ahead of (actors/planner.py). ``context_tokens``: its
-        decode rows' context (``PlannerState.context_tokens``), priced as ``decide`` prices it."""
-        if result.batch_size > 0 and 0 <= result.gamma <= self.gamma_max and seconds > 0.0:
-            self._learn_time(result, seconds, context_tokens)
+        out), the bus, the hand-offs and a run-ahead's overlap included. The part past its timed forward and
+        draft passes is learnt per family (``outside``): a drafting step pays hops and head work a γ = 0 step
+        runs ahead of (actors/planner.py), and an arm that has not played must not inherit them through its
+        bucket's pooled correction; the arms and the level learn the timed part, the profile's own measure.
+        ``context_tokens``: its decode rows' context (``PlannerState.context_tokens``), priced as ``decide`` does."""
+        r = result
+        if r.batch_size > 0 and 0 <= r.gamma <= self.gamma_max and seconds > 0.0:
+            if r.step_time_s > 0.0:
+                self._learn_outside(r, seconds)
+                self._learn_time(r, r.step_time_s, context_tokens)
+            else:
+                self._learn_time(r, seconds, context_tokens)
 
     def _learn_time(self, r: StepTimed, t: float, ctx: int = -1) -> None:
         b, g = r.batch_size, r.gamma
@@ -780,10 +817,9 @@ class ModelNightjarPolicy(Policy):
             pred = self._time(arm, base)[0]
             if g > 0:                           # priced apart: a decode arm does not learn it
                 self._learn_mixed(r, t, pred)
-                return
-            t = self._strip_prefill(t, r.num_prefill_tokens, pred)
-            if t is None:
-                return
+            else:                               # the prompt tokens' price; the arms and the level keep to
+                self._learn_prefill(t, r.num_prefill_tokens, pred)     # decode-only steps
+            return
         lvl = self._level()
         if lvl <= 0.0:
             lvl = t / base
@@ -847,16 +883,13 @@ class ModelNightjarPolicy(Policy):
         w, s = self._faded(self.mix_w, self.mix_s, self.mix_t, self.clock)
         self.mix_w, self.mix_s, self.mix_t = 0.95 * w + 1.0, 0.95 * s + x, self.clock
 
-    def _strip_prefill(self, t: float, n: int, pred: float) -> float | None:
-        """Decode-only time of a mixed step (None while the per-token prefill term is unlearned)."""
+    def _learn_prefill(self, t: float, n: int, pred: float) -> None:
+        """The prompt tokens' price from a γ = 0 step with ``n`` of them: seconds past its decode-only
+        prediction, regressed on n (``_learn_mixed`` reads it from 3 such steps on)."""
         resid = t - pred
         self.pf_nx = 0.98 * self.pf_nx + n * resid
         self.pf_xx = 0.98 * self.pf_xx + n * n
         self.pf_obs += 1
-        if self.pf_obs < 3:
-            return None
-        left = t - max(0.0, self.pf_nx / self.pf_xx) * n
-        return left if left > 0.3 * pred else None
 
     # ------------------------------------------------------------ introspection
     def snapshot(self) -> dict:

@@ -293,6 +293,24 @@ def test_the_rows_context_is_priced_apart_from_the_profile_s_grid():
         assert (g > 0) == drafts, (per_row, g)
 
 
+def test_an_unplayed_gamma_0_does_not_inherit_the_drafting_steps_hops():
+    """A step's period past its timed forward and draft passes is learnt per family: on the AMX box (bf16, 16
+    rows) drafting steps spent ~2 ms a step outside them (hand-offs, the head's work), γ = 0 steps 0.14 (they run
+    ahead). Learnt as one period, the drafting arms' corrections carried it, and γ = 0, never played at 16 rows,
+    took it through its bucket's pooled correction (priced 20.4 ms against the 16.3 it took). Here a bucket only
+    drafts, 10 ms a step outside; γ = 0 steps elsewhere spend 0.1 ms: γ = 0 at 16 rows is priced its timed part
+    plus 0.1 ms."""
+    pol, env, rng = nightjar(CPU_QUIET), PlannerEnv(CPU_QUIET, WEAK), random.Random(0)
+    for b, g, out, n in ((4, 0, 1e-4, 30), (16, 1, 1e-2, 120)):
+        for _ in range(n):
+            r = env.step(b, g, rng)
+            pol.observe(r, learn_time=False)
+            pol.observe_period(r, r.step_time_s + out)
+    assert pol.outside(0, False, bucket(16)) == pytest.approx(1e-4)
+    assert pol.predict(16, 1)[0] == pytest.approx(env.mean_time(16, 1) + 1e-2, rel=0.03)
+    assert pol.predict(16, 0)[0] == pytest.approx(env.mean_time(16, 0) + 1e-4, rel=0.03)
+
+
 def test_drafting_beside_a_prompt_chunk_is_priced_apart_from_decode_only_steps():
     """On the AMX box (bf16, 15 rows) a drafting step that carried a 47-token prompt chunk took 16 ms more than a
     γ = 0 one for 10.5 tokens more, 1.5 ms a token against 1.1 in decode-only steps, where drafting was level
