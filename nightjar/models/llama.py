@@ -91,6 +91,16 @@ class AttnGroup:
             self._masks[gq] = m
         return m
 
+    def allowed_padded(self, kp: int) -> torch.Tensor:
+        """``attn_mask`` as [b, 1, Q, kp], positions K..kp-1 (the rest of the last block) not attended."""
+        m = self._masks.get(("allowed", kp))
+        if m is None:
+            m = self.attn_mask
+            if kp > m.shape[-1]:
+                m = torch.cat((m, m.new_zeros(*m.shape[:-1], kp - m.shape[-1])), dim=-1)
+            self._masks[("allowed", kp)] = m
+        return m
+
     def blocked_padded(self, gq: int, kp: int) -> torch.Tensor:
         """``blocked(gq)`` as [1, b, Q*gq, kp], positions K..kp-1 (the rest of the last block) blocked
         too: head-major attention reads whole blocks, as a slice of them would cost a copy per matmul."""
@@ -394,9 +404,12 @@ def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> t
 
 def _attend_head_major(qp, cache, layer: int, tables, g: AttnGroup, scale: float) -> torch.Tensor:
     """qp [B, Q, nh, d] over a head-major cache: batch dims (kv head, row), contiguous K and V of whole blocks
-    (Kp = nb*bs >= K positions, the tail masked) -> [B*Q, nh, d]."""
+    (Kp = nb*bs >= K positions, the tail masked) -> [B*Q, nh, d]. A long group (prefill chunks) goes through
+    SDPA's fused CPU kernel, 2.5-3x faster there than these matmuls (docs/benchmarks.md, forty-fourth session)."""
     B, Q, nh, d = qp.shape
     kh, vh = cache.gather_heads(layer, tables)                    # [nkv, B, nb*bs, d] each
+    if Q > SHORT_QUERY:
+        return _sdpa_head_major(qp, kh, vh, g, scale)
     nkv = kh.shape[0]
     gq = nh // nkv
     qh = qp.view(B, Q, nkv, gq, d).permute(2, 0, 1, 3, 4).reshape(nkv, B, Q * gq, d)
@@ -404,6 +417,15 @@ def _attend_head_major(qp, cache, layer: int, tables, g: AttnGroup, scale: float
     probs = scores.masked_fill_(g.blocked_padded(gq, kh.shape[2]), float("-inf")).softmax(-1).to(qp.dtype)
     out = torch.matmul(probs, vh)                                 # [nkv, B, Q*g, d]
     return out.view(nkv, B, Q, gq, d).permute(1, 2, 0, 3, 4).reshape(B * Q, nh, d)
+
+
+def _sdpa_head_major(qp, kh, vh, g: AttnGroup, scale: float) -> torch.Tensor:
+    """qp [B, Q, nh, d]; kh, vh [nkv, B, Kp, d] -> [B*Q, nh, d] by SDPA (query heads grouped on the kv heads)."""
+    B, Q, nh, d = qp.shape
+    mask = g.allowed_padded(kh.shape[2])                          # [B, 1, Q, Kp] bool, True = attend
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), kh.transpose(0, 1), vh.transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)   # [B, nh, Q, d]
+    return out.transpose(1, 2).reshape(B * Q, nh, d)
 
 
 def _attend_block_major(qp, cache, layer: int, tables, g: AttnGroup, K: int, scale: float) -> torch.Tensor:
