@@ -36,11 +36,12 @@ from nightjar.sampling import ConfigError
 # layers and int8 head on AMX tiles where the CPU has them, models/cpu_fused.cpp: int4 steps of 5+ rows far cheaper;
 # 17: fused paged attention 1.4-1.6x faster, the same numbers: steps of many rows or long contexts cheaper;
 # 18: a bf16 model's int8 layers on int8_linear's AMX tiles, int8 steps of 4+ rows far cheaper; 19: the profile
-# measures the seconds per token of context a row reads, offline/profile.py ``context_slope``),
+# measures the seconds per token of context a row reads, offline/profile.py ``context_slope``; 20: prefill chunks'
+# attention by SDPA on head-major caches, models/llama.py: the prompt price lower),
 # so that a profile cached before is measured again instead of misleading the planner. Whether the fused CPU
 # ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) and whether they use AMX tiles (``NIGHTJAR_CPU_AMX``) is part of
 # the key too.
-KERNELS_VERSION = 19
+KERNELS_VERSION = 20
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none",

@@ -40,6 +40,7 @@ from nightjar.actors.common import sampling_tensors
 from nightjar.actors.draft import DraftExecutor
 from nightjar.actors.draft_ngram import PromptLookup, one_hot_q
 from nightjar.actors.gamma_allocator import row_gammas
+from nightjar.actors.sampler import argmax_last
 from nightjar.kernel.messages import (
     BlocksReserved,
     DraftResidency,
@@ -220,11 +221,12 @@ class HeadDraftExecutor(DraftExecutor):
             flat[row * w: row * w + len(sb)] = sb
         return tuple(flat)
 
-    def _siblings(self, logits: torch.Tensor, firsts: list[int], tree_ok: list[bool]) -> list[list[int]]:
-        """Pass 1's runner-up tokens of each tree row (logits [R, V]; ``firsts`` its drafted d1)."""
+    def _siblings(self, small: torch.Tensor, firsts: list[int], tree_ok: list[bool]) -> list[list[int]]:
+        """Pass 1's runner-up tokens of each tree row (draft-vocabulary logits [R, Vd]; ``firsts`` its drafted
+        d1, target ids)."""
         if not any(tree_ok):
             return [[] for _ in firsts]
-        top = logits.topk(self.tree + 1, dim=-1).indices.tolist()                   # [R, tree+1]
+        top = self.slot.model.to_target_ids(small.topk(self.tree + 1, dim=-1).indices).tolist()   # [R, tree+1]
         return [[t for t in row if t != d][: self.tree] if ok else [] for row, d, ok in zip(top, firsts, tree_ok)]
 
     def _propose_head(self, rows, gamma: int):
@@ -255,15 +257,16 @@ class HeadDraftExecutor(DraftExecutor):
             else:
                 chunks = [[out[j][-1]] for j in act]
                 g = feat if sel is None else feat[sel]
-            feat, logits = self._head_pass(rids, act, chunks, starts, g)
+            feat, small = self._head_pass(rids, act, chunks, starts, g)
             ix = torch.tensor(act) if len(act) < len(rids) else None
-            nxt = self._pick(logits, [greedy[j] for j in act], *((temp[ix], top_k[ix], top_p[ix]) if ix is not None
-                             else (temp, top_k, top_p)), [rids[j] for j in act], [qs[j] for j in act], i)
+            nxt = self._pick_small(small, [greedy[j] for j in act], *((temp[ix], top_k[ix], top_p[ix])
+                                   if ix is not None else (temp, top_k, top_p)), [rids[j] for j in act],
+                                   [qs[j] for j in act], i)
             for j, c, tok in zip(act, chunks, nxt):
                 out[j].append(tok)
                 starts[j] += len(c)
             if i == 0:
-                sibs = self._siblings(logits, nxt, tree_ok)                     # pass 1 runs every row
+                sibs = self._siblings(small, nxt, tree_ok)                      # pass 1 runs every row
                 t_first = time.perf_counter() - t
         for r, f in zip(rids, front):
             self.alloc.set_committed(r, f)       # drop the entries built on drafted features
@@ -286,12 +289,21 @@ class HeadDraftExecutor(DraftExecutor):
 
     def _head_pass(self, rids, act, chunks, starts, g):
         """One head call over the active rows' entries -> (output state of each row's last entry [R, H],
-        full-vocabulary logits [R, V] with -inf outside the draft vocabulary)."""
+        draft-vocabulary logits [R, Vd] fp32)."""
         head = self.slot.model
         lay = build_layout(chunks, [starts[j] for j in act], [self.alloc.block_table(rids[j]) for j in act],
                            self.alloc.block_size, [1] * len(act), device=head.device)
         emb = self.embed(lay.input_ids)                                              # [T, H]
         a, small = head(lay, self.slot.cache, emb, g.to(head.dtype))                  # [T, H], [R, Vd]
+        return a[lay.logits_index], small
+
+    def _pick_small(self, small: torch.Tensor, greedy: list[bool], temp, top_k, top_p, rids, qs, pass_i: int):
+        """``_pick`` over draft-vocabulary logits [R, Vd]: all-greedy passes take the argmax there (``d2t`` is
+        ascending, so it is the full vocabulary's first maximum); a pass with a sampling row expands to the
+        full vocabulary [R, V] (-inf outside the draft's), where q must live for verification."""
+        head = self.slot.model
+        if all(greedy) and head.d2t_ascending:
+            return head.to_target_ids(argmax_last(small)).tolist()
         full = small.new_full((small.shape[0], head.hc.target_vocab), float("-inf"))  # [R, V]
         full[:, head.d2t] = small
-        return a[lay.logits_index], full
+        return self._pick(full, greedy, temp, top_k, top_p, rids, qs, pass_i)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -173,6 +174,12 @@ class DraftHead(nn.Module):
 
         own = sum(p.numel() * p.element_size() for p in self.parameters())
         return own + sum(b.numel() * b.element_size() for b in self.buffers()) + packed_bytes(self)
+
+    @cached_property
+    def d2t_ascending(self) -> bool:
+        """Whether ``d2t`` is sorted by target id (training makes it so): the draft vocabulary's first maximum is
+        then the full vocabulary's, so greedy drafting may take its argmax without expanding the logits."""
+        return bool((self.d2t[1:] > self.d2t[:-1]).all())
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (any shape)."""

@@ -321,8 +321,8 @@ class Attention(nn.Module):
 
     def _fused(self, x, cos, sin_signed, lay: BatchLayout, cache, by_slot) -> torch.Tensor:
         """The fused CPU path: rope + KV store in one call, paged attention of the decode/verify rows (at most
-        SHORT_QUERY queries) in one more, a prefill row's long query by batched matmuls (they serve it
-        better) -> [T, nh, d]. Each row takes the same path whatever else is in the step. ``by_slot`` is this
+        SHORT_QUERY queries) in one more, a prefill row's long query by ``_attend`` (SDPA over the gathered
+        blocks) -> [T, nh, d]. Each row takes the same path whatever else is in the step. ``by_slot`` is this
         layer's [2, nkv, S, d] cache view."""
         ops, scale = fused_ops(), 1.0 / math.sqrt(self.cfg.head_dim)
         qkv = self._modules["qkv_proj"].forward(x)                                   # [P, q + 2 kv]
@@ -375,8 +375,9 @@ def kv_head_major(model) -> bool:
 def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale: float) -> torch.Tensor:
     """Torch reference paged attention for varlen queries. q [T, nh, d] -> [T, nh, d].
 
-    Grouped-query matmuls instead of SDPA: on CPU, SDPA's flash kernel costs ~5 ms per layer at
-    B=32, Q=1, K=256 where these two bmm cost ~0.5 ms (measured, bf16, 2 cores).
+    Short groups by grouped-query matmuls, not SDPA: on CPU, SDPA's flash kernel cost ~5 ms per layer at
+    B=32, Q=1, K=256 where these two bmm cost ~0.5 ms (measured, bf16, 2 cores); long groups on a head-major
+    cache by SDPA, which serves many queries a row better (``_attend_head_major``).
     """
     if len(lay.groups) == 1:
         return _attend(q, cache, layer, lay.groups[0], scale)

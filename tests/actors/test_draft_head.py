@@ -241,3 +241,28 @@ def test_seeded_tokens_with_a_head_equal_off_and_unseeded_sampling_runs(make_eng
     ref, _ = generate(make_engine, "off", prompts, pair, max_num_seqs=1)
     got, stats = generate(make_engine, "fixed:3", prompts, pair, max_num_seqs=6, prompt_lookup=0)
     assert got == ref and stats.accepted_tokens > 0
+
+
+def test_greedy_picks_on_the_draft_vocabulary_equal_the_full_vocabularys_first_maximum(tiny_pair):
+    from types import SimpleNamespace
+
+    from nightjar.actors.draft_head import HeadDraftExecutor
+
+    target, _ = tiny_pair
+    head = random_head(target.config, vocab=16)
+    small = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
+    small[1, 4] = small[1, 9] = small[1].max() + 1                          # a tie: the lower draft id wins
+    full = small.new_full((3, target.config.vocab_size), float("-inf"))
+    full[:, head.d2t] = small
+    seen = []
+    ex = SimpleNamespace(slot=SimpleNamespace(model=head), _pick=lambda logits, *a: seen.append(logits) or [-1])
+    pick = HeadDraftExecutor._pick_small
+    assert pick(ex, small, [True] * 3, None, None, None, [], [], 0) == full.argmax(-1).tolist()
+    assert not seen
+    pick(ex, small, [True, False, True], None, None, None, [], [], 0)       # a sampling row: the full vocabulary
+    assert torch.equal(seen.pop(), full)
+    shuffled = random_head(target.config, vocab=16)
+    shuffled.d2t.copy_(head.d2t.flip(0))                                    # not ascending: no shortcut
+    ex.slot.model = shuffled
+    pick(ex, small, [True] * 3, None, None, None, [], [], 0)
+    assert seen and seen[0].shape == full.shape
