@@ -91,14 +91,17 @@ class AttnGroup:
             self._masks[gq] = m
         return m
 
-    def allowed_padded(self, kp: int) -> torch.Tensor:
-        """``attn_mask`` as [b, 1, Q, kp], positions K..kp-1 (the rest of the last block) not attended."""
-        m = self._masks.get(("allowed", kp))
+    def row_mask(self, b: int, block_size: int) -> torch.Tensor:
+        """Row b's own mask over its own blocks, no padding to the group: [1, 1, q, nb*bs] bool (True = attend:
+        keys up to the query's position, none past the row's context), built once per step."""
+        m = self._masks.get(("row", b))
         if m is None:
-            m = self.attn_mask
-            if kp > m.shape[-1]:
-                m = torch.cat((m, m.new_zeros(*m.shape[:-1], kp - m.shape[-1])), dim=-1)
-            self._masks[("allowed", kp)] = m
+            qlens, starts, _, _, device = self._src
+            q, s = qlens[b], starts[b]
+            nb = -(-(s + q) // block_size)
+            kpos = torch.arange(nb * block_size).view(1, -1)                                # [1, nb*bs]
+            qpos = torch.arange(s, s + q).view(-1, 1)                                       # [q, 1]
+            m = self._masks[("row", b)] = ((kpos <= qpos) & (kpos < s + q)).view(1, 1, q, -1).to(device)
         return m
 
     def blocked_padded(self, gq: int, kp: int) -> torch.Tensor:
@@ -377,7 +380,7 @@ def paged_attention(q: torch.Tensor, cache, layer: int, lay: BatchLayout, scale:
 
     Short groups by grouped-query matmuls, not SDPA: on CPU, SDPA's flash kernel cost ~5 ms per layer at
     B=32, Q=1, K=256 where these two bmm cost ~0.5 ms (measured, bf16, 2 cores); long groups on a head-major
-    cache by SDPA, which serves many queries a row better (``_attend_head_major``).
+    cache by SDPA row by row, which serves many queries a row better (``_attend_rows_sdpa``).
     """
     if len(lay.groups) == 1:
         return _attend(q, cache, layer, lay.groups[0], scale)
@@ -391,6 +394,8 @@ def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> t
     """One group's attention -> [t, nh, d] for the group's tokens in flat order."""
     B, Q, K = len(g.rows), g.Q, g.K
     T, nh, d = q.shape
+    if cache.head_major and Q > SHORT_QUERY:
+        return _attend_rows_sdpa(q, cache, layer, g, scale)
     if g.dense:
         qp = q.view(B, Q, nh, d)                                  # [B, Q, nh, d]: no padding to add
     else:
@@ -405,12 +410,9 @@ def _attend(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> t
 
 def _attend_head_major(qp, cache, layer: int, tables, g: AttnGroup, scale: float) -> torch.Tensor:
     """qp [B, Q, nh, d] over a head-major cache: batch dims (kv head, row), contiguous K and V of whole blocks
-    (Kp = nb*bs >= K positions, the tail masked) -> [B*Q, nh, d]. A long group (prefill chunks) goes through
-    SDPA's fused CPU kernel, 2.5-3x faster there than these matmuls (docs/benchmarks.md, forty-fourth session)."""
+    (Kp = nb*bs >= K positions, the tail masked) -> [B*Q, nh, d]."""
     B, Q, nh, d = qp.shape
     kh, vh = cache.gather_heads(layer, tables)                    # [nkv, B, nb*bs, d] each
-    if Q > SHORT_QUERY:
-        return _sdpa_head_major(qp, kh, vh, g, scale)
     nkv = kh.shape[0]
     gq = nh // nkv
     qh = qp.view(B, Q, nkv, gq, d).permute(2, 0, 1, 3, 4).reshape(nkv, B, Q * gq, d)
@@ -420,13 +422,27 @@ def _attend_head_major(qp, cache, layer: int, tables, g: AttnGroup, scale: float
     return out.view(nkv, B, Q, gq, d).permute(1, 2, 0, 3, 4).reshape(B * Q, nh, d)
 
 
-def _sdpa_head_major(qp, kh, vh, g: AttnGroup, scale: float) -> torch.Tensor:
-    """qp [B, Q, nh, d]; kh, vh [nkv, B, Kp, d] -> [B*Q, nh, d] by SDPA (query heads grouped on the kv heads)."""
-    B, Q, nh, d = qp.shape
-    mask = g.allowed_padded(kh.shape[2])                          # [B, 1, Q, Kp] bool, True = attend
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), kh.transpose(0, 1), vh.transpose(0, 1),
-                                         attn_mask=mask, scale=scale, enable_gqa=True)   # [B, nh, Q, d]
-    return out.transpose(1, 2).reshape(B * Q, nh, d)
+def _attend_rows_sdpa(q: torch.Tensor, cache, layer: int, g: AttnGroup, scale: float) -> torch.Tensor:
+    """A long group (prefill chunks) over a head-major cache, row by row through SDPA's fused CPU kernel on the
+    group's one gather: SDPA serves many queries a row 2.5-3x faster than the matmuls, and no row pads to the
+    group's longest query or context (docs/benchmarks.md, forty-fourth session) -> [t, nh, d] in the group's
+    flat order."""
+    kh, vh = cache.gather_heads(layer, g.block_tables[:, : -(-g.K // cache.block_size)])   # [nkv, B, Kp, d]
+    outs = [_sdpa_row(q, kh[:, i: i + 1], vh[:, i: i + 1], g, b, cache.block_size, scale)
+            for i, b in enumerate(g.rows)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _sdpa_row(q: torch.Tensor, kh, vh, g: AttnGroup, b: int, block_size: int, scale: float) -> torch.Tensor:
+    """Row b's queries (q [T, nh, d]) over its own blocks (kh, vh [nkv, 1, Kp, d], the first nb*bs read)
+    -> [q_b, nh, d]."""
+    qlens, _, offsets, _, _ = g._src
+    mask = g.row_mask(b, block_size)                                                   # [1, 1, q_b, nb*bs]
+    n = mask.shape[-1]
+    qb = q[offsets[b]: offsets[b] + qlens[b]].unsqueeze(0).transpose(1, 2)           # [1, nh, q_b, d]
+    out = F.scaled_dot_product_attention(qb, kh[:, :, :n].transpose(0, 1), vh[:, :, :n].transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)   # [1, nh, q_b, d]
+    return out[0].transpose(0, 1)                                                      # [q_b, nh, d]
 
 
 def _attend_block_major(qp, cache, layer: int, tables, g: AttnGroup, K: int, scale: float) -> torch.Tensor:

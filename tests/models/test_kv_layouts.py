@@ -39,14 +39,15 @@ def test_paged_attention_is_the_same_over_both_layouts_for_ragged_batches():
                                        paged_attention(q, block, layer, lay, 0.3), atol=1e-5, rtol=1e-5)
 
 
-def test_long_prefill_groups_take_sdpa_on_head_major_and_match_the_matmuls():
-    # two prefill chunks past SHORT_QUERY (ragged lengths and starts: padding rows, masked block tails) beside a
-    # decode row; head-major serves the long group by SDPA, block-major by explicit matmuls
+def test_long_prefill_rows_take_sdpa_one_by_one_on_head_major_and_match_the_matmuls():
+    # two prefill chunks past SHORT_QUERY (ragged lengths and starts: masked block tails) beside a decode row;
+    # head-major serves the long rows one SDPA call each, block-major the padded group by explicit matmuls
     chunks = [[1] * 20, [2], [3] * 33]
     starts = [0, 9, 3]
     tables = [(0, 1, 2, 3, 4), (5, 6, 7), (8, 9, 10, 11, 12, 13, 14, 15, 16)]
     lay = build_layout(chunks, starts, tables, 4, logits_rows=[1] * 3)
-    assert [g.Q for g in lay.long_groups] == [33]
+    (g,) = lay.long_groups
+    assert g.Q == 33
     for grow in (0, 4):
         head, block = twin_caches(n=20, grow=grow)
         q = torch.randn(lay.num_tokens, 4, 8, generator=torch.Generator().manual_seed(2))
