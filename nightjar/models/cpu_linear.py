@@ -26,6 +26,32 @@ adds up), the LM head 2.4 against 2.0-2.3 ms: a padded row costs nothing there, 
 tokens took 0.86-0.96x its unpadded time (docs/benchmarks.md, "Small forwards padded to four rows")."""
 
 
+def gemm_rows(m: int) -> int:
+    """The rows a draft's packed GEMM of ``m`` rows runs with (MirroredPackedLinear): at least PACKED_MIN_ROWS,
+    then m up to 16, else m rounded up to a multiple of 16 (to 256) or of 64. oneDNN compiles a kernel per row
+    count (~0.4-0.9 ms the first time, the caches below), and a draft head's catch-up passes (a new prompt's
+    entries beside the other rows') bring hundreds of row counts: a head pass of 41-80 entries took 3.9 ms against
+    1.6 at 21-40, its MLP 1.25 against 0.34 ms; rounded, 2.0 ms and 0.47 (docs/benchmarks.md, forty-fourth
+    session). The target's layers keep exact row counts: a forward of 16 decode rows and a 17-300-token chunk
+    measured level either way (its GEMMs are long; padding costs what compiling saves)."""
+    if m <= 16:
+        return max(m, PACKED_MIN_ROWS)
+    step = 16 if m <= 256 else 64
+    return -(-m // step) * step
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [..., in] bf16 -> [..., out] through a packed weight, the rows padded with zeros to ``gemm_rows``."""
+    if x.dim() != 2:
+        return packed_linear(x.reshape(-1, x.shape[-1]), packed).view(*x.shape[:-1], -1)
+    m = x.shape[0]
+    p = gemm_rows(m)
+    if p != m:
+        x = torch.cat((x, x.new_zeros(p - m, x.shape[1])))                      # [p, in]
+        return _linear()(x, packed, None, "none", [], "")[:m]                     # [m, out]
+    return _linear()(x, packed, None, "none", [], "")
+
+
 ONEDNN_CACHE_CAPACITY = 512
 """Entries oneDNN's primitive cache and ideep's computation cache (oneDNN's C++ wrapper inside torch) may each
 hold, unless the environment says otherwise (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``).
@@ -111,7 +137,7 @@ class MirroredPackedLinear(nn.Module):
         """x [..., in] bf16 -> [..., out] bf16."""
         if self.packed is None or self._source != self.weight.data_ptr():
             self.refresh()
-        return _linear()(x, self.packed, None, "none", [], "")
+        return packed_linear(x, self.packed)
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import load_draft, load_model
-from nightjar.models.cpu_linear import PackedLinear, packing_available
+from nightjar.models.cpu_linear import MirroredPackedLinear, PackedLinear, gemm_rows, packing_available
 from nightjar.models.llama import build_layout
 from nightjar.models.loader import build_model, load_weights, read_safetensors_state
 from tests.models.test_llama_parity import Runner, hf_logits, save_hf_llama
@@ -106,6 +106,28 @@ def test_packed_linear_rows_do_not_depend_on_the_batch():
     assert torch.equal(together, alone)
     ref = x.float() @ w.float().T
     assert (together.float() - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
+def test_gemm_rows_rounds_row_counts_to_few_shapes():
+    assert [gemm_rows(m) for m in (1, 3, 4, 16, 17, 32, 33, 250, 257, 300)] == [4, 4, 4, 16, 32, 32, 48, 256, 320, 320]
+    assert len({gemm_rows(m) for m in range(1, 1025)}) == 13 + 15 + 12
+
+
+@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+def test_a_draft_layer_pads_its_rows_and_returns_exactly_the_rows_asked():
+    """MirroredPackedLinear runs ``gemm_rows`` rows (zeros after the inputs'): each row's output is the one it
+    gets alone (rows are independent), for 2-D and 3-D inputs."""
+    torch.manual_seed(1)
+    w = torch.randn(96, 64).bfloat16()
+    lin = MirroredPackedLinear(torch.nn.Parameter(w, requires_grad=False))
+    x = torch.randn(37, 64).bfloat16()
+    with torch.inference_mode():
+        out = lin(x)                                                                   # 48 rows run
+        assert out.shape == (37, 96)
+        assert torch.equal(out[:5], lin(x[:5]))                                         # 16 rows run
+        assert torch.equal(lin(x[:36].view(3, 12, 64)), out[:36].view(3, 12, 96))
+    ref = x.float() @ w.float().T
+    assert (out.float() - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
 @pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
