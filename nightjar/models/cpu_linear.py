@@ -29,11 +29,12 @@ tokens took 0.86-0.96x its unpadded time (docs/benchmarks.md, "Small forwards pa
 def gemm_rows(m: int) -> int:
     """The rows a draft's packed GEMM of ``m`` rows runs with (MirroredPackedLinear): at least PACKED_MIN_ROWS,
     then m up to 16, else m rounded up to a multiple of 16 (to 256) or of 64. oneDNN compiles a kernel per row
-    count (~0.4-0.9 ms the first time, the caches below), and a draft head's catch-up passes (a new prompt's
-    entries beside the other rows') bring hundreds of row counts: a head pass of 41-80 entries took 3.9 ms against
-    1.6 at 21-40, its MLP 1.25 against 0.34 ms; rounded, 2.0 ms and 0.47 (docs/benchmarks.md, forty-fourth
-    session). The target's layers keep exact row counts: a forward of 16 decode rows and a 17-300-token chunk
-    measured level either way (its GEMMs are long; padding costs what compiling saves)."""
+    count (0.6-1.1 ms the first time for one 3072 x 576 layer, the caches below), and a draft head's catch-up
+    passes (a new prompt's entries beside the other rows') bring hundreds of row counts: a head pass of 41-80
+    entries took 3.9 ms against 1.6 at 21-40, its MLP 1.25 against 0.34 ms; rounded, 2.0 ms and 0.47
+    (docs/benchmarks.md, forty-fourth session). The target's layers keep exact row counts: a forward of 16 decode
+    rows and a 17-300-token chunk measured level either way (its GEMMs are long; padding costs what not compiling
+    saves)."""
     if m <= 16:
         return max(m, PACKED_MIN_ROWS)
     step = 16 if m <= 256 else 64
