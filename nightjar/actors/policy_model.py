@@ -506,6 +506,11 @@ class ModelNightjarPolicy(Policy):
                 return got[1] / got[0]
         return 0.0
 
+    def _with_outside(self, ts: list[tuple[float, float]], chunk: bool, c: int) -> list[tuple[float, float]]:
+        """Each γ's (T̂, se) with its family's ``outside`` added to T̂."""
+        o0, o1 = self.outside(0, chunk, c), self.outside(1, chunk, c)
+        return [(t + (o1 if g else o0), se) for g, (t, se) in enumerate(ts)]
+
     def _learn_outside(self, r: StepTimed, seconds: float) -> None:
         key = (r.gamma > 0, r.num_prefill_tokens > 0, bucket(r.batch_size))
         w, s = self._outside.get(key, (0.0, 0.0))
@@ -613,8 +618,7 @@ class ModelNightjarPolicy(Policy):
         ts = self._times(arms, row)
         if self.profile is None:
             _extrapolate(ts, arms)
-        o0, o1 = self.outside(0, mixed, c), self.outside(1, mixed, c)
-        ts = [(t + (o1 if g else o0), se) for g, (t, se) in enumerate(ts)]
+        ts = self._with_outside(ts, mixed, c)
         scores = [ts[0][0] * (1.0 - z * ts[0][1]) / b]
         tree = self.tree_rate(c)
         for g in range(1, self.gamma_max + 1):
@@ -672,8 +676,7 @@ class ModelNightjarPolicy(Policy):
         ts = self._times(arms, row)
         if self.profile is None:
             _extrapolate(ts, arms)
-        o0, o1 = self.outside(0, False, c), self.outside(1, False, c)
-        ts = [(t + (o1 if g else o0), se) for g, (t, se) in enumerate(ts)]
+        ts = self._with_outside(ts, False, c)
         z, G = self.z, self.gamma_max
         factor = [t * (1.0 - z * se) / base for (t, se), base in zip(ts, row)]
         factor[0] = ts[0][0] / row[0]           # no optimism for not drafting at all (see docs/planner.md)
