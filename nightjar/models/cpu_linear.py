@@ -49,8 +49,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     p = gemm_rows(m)
     if p != m:
         x = torch.cat((x, x.new_zeros(p - m, x.shape[1])))                      # [p, in]
-        return _linear()(x, packed, None, "none", [], "")[:m]                     # [m, out]
-    return _linear()(x, packed, None, "none", [], "")
+    out = _linear()(x, packed, None, "none", [], "")                              # [p, out]
+    return out if p == m else out[:m]                                             # [m, out]
 
 
 ONEDNN_CACHE_CAPACITY = 512
