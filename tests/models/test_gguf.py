@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import numpy as np
 import pytest
@@ -182,12 +183,14 @@ def test_greedy_48_tokens_match_transformers_on_eight_chat_prompts(smollm2_fp32,
 
 
 def hf_greedy(model, ids, n):
-    """Plain greedy with HF's KV cache, never stopping at EOS (like ignore_eos)."""
+    """Plain greedy with HF's KV cache, never stopping at EOS (like ignore_eos). transformers 5 names the cache
+    argument and output ``cache`` (``past_key_values``, deprecated there, goes in 5.40); 4.x only knows the old name."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(x, **{name: past}, use_cache=True)
+            past = getattr(res, name)
             out.append(int(res.logits[0, -1].argmax()))
             x = torch.tensor([[out[-1]]])
     return out
