@@ -183,8 +183,9 @@ def test_greedy_48_tokens_match_transformers_on_eight_chat_prompts(smollm2_fp32,
 
 
 def hf_greedy(model, ids, n):
-    """Plain greedy with HF's KV cache, never stopping at EOS (like ignore_eos). transformers 5 names the cache
-    argument and output ``cache`` (``past_key_values``, deprecated there, goes in 5.40); 4.x only knows the old name."""
+    """Plain greedy with HF's KV cache, never stopping at EOS (like ignore_eos). The cache goes in and out as
+    ``cache`` where the model's forward takes that (transformers 5.25, where ``past_key_values`` is deprecated and
+    due to go in 5.40), else as ``past_key_values``."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
