@@ -18,8 +18,10 @@
   every prefix of that order, and every uniform γ_i = γ, is priced with the step-time model, whose cost
   depends on the tokens verified and on the draft passes (pass k runs the n_k rows with γ_i ≥ k):
       base = target(B, 1 + Σ_i γ_i / B) + Σ_k draft(n_k)
-  (target(B, q̄) linear between integer q, ``verify_by_tokens``: a ragged verify costs what the same tokens
-  in uniform rows cost, measured; for γ_i = γ on every row this is the batch-level base(B, γ) exactly).
+  (target(B, q̄) linear between integer q, ``verify_by_tokens``; for γ_i = γ on every row this is the
+  batch-level base(B, γ) exactly). A ragged verify (rows of different γ_i) costs more than the same tokens in
+  uniform rows, 1.02–1.11× measured (bench/mixed_steps.py): ``allocate(..., ragged=r)`` prices its target
+  part ×(1 + r), ``RAGGED_COST`` in the planner.
   The candidate with the fewest seconds per expected token wins: tokens are added while they pay, and a
   draft pass's fixed cost is judged by the whole layer it buys, not by its first token. Rows whose tokens
   at a depth are worth the same (e.g. requests with no history yet) move together, so with equal
@@ -45,7 +47,9 @@ _LOG_G = tuple(math.log(g) for g in GRID)
 _LOG_Q = tuple(math.log(1.0 - g) for g in GRID)
 
 __all__ = ["GRID", "RequestAcceptance", "Allocation", "allocate", "steady_tokens", "verify_by_tokens", "row_gammas",
-           "gamma_histogram", "layer_counts"]
+           "gamma_histogram", "layer_counts", "RAGGED_COST"]
+
+RAGGED_COST = 0.07      # a ragged verify over the same tokens in uniform rows, less 1 (bench/mixed_steps.py, bf16 CPU)
 
 
 def verify_by_tokens(row: list[float], batch: int, drafted: int) -> float:
@@ -256,7 +260,8 @@ class Allocation:
 
 
 def allocate(gains: list[list[float]], target: list[list[float]], draft: list[float], factor: list[float],
-             extra: float, row_extra: list[float] | None = None, weights: list[float] | None = None) -> Allocation:
+             extra: float, row_extra: list[float] | None = None, weights: list[float] | None = None,
+             ragged: float = 0.0) -> Allocation:
     """γ_i per row minimising predicted seconds per expected token.
 
     gains[i][k-1]: expected tokens row i's k-th draft token adds (empty list: the row may not draft).
@@ -268,6 +273,7 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
 
     weights (optional): the rows' arrival weights w_i for the steady-state objective (see ``steady_tokens``);
     the expected tokens of a candidate are then B·W / Σ_i w_i / E_i instead of Σ_i E_i.
+    ragged: the target forward of a candidate whose rows verify different lengths costs ×(1 + ragged).
     """
     B = len(gains)
     base0 = target[B][1]
@@ -305,7 +311,8 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
             nxt = order[m + 1]
             if nxt[1] == k and nxt[0] <= ng * (1.0 - 1e-9):
                 continue                        # rows tied with this one at this depth move together
-        s = (factor[deepest] * (verify_by_tokens(tb, B, drafted) + passes) + extra + rx) / tokens
+        v = verify_by_tokens(tb, B, drafted) * (1.0 + ragged if n[deepest] < B else 1.0)
+        s = (factor[deepest] * (v + passes) + extra + rx) / tokens
         if s < best_on:
             best_on = s
         if s < best:
@@ -314,7 +321,7 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
     for _, k, i in order[:best_m]:
         if k > out[i]:
             out[i] = k
-    u, us = _best_uniform(gains, target, draft, factor, extra, row_extra, weights)
+    u, us = _best_uniform(gains, target, draft, factor, extra, row_extra, weights, ragged)
     if us < best:                               # γ_i = γ on every drafting row beats the greedy prefixes
         return Allocation(u, us, zero, min(best_on, us))
     return Allocation(tuple(out), best, zero, min(best_on, us))
@@ -352,8 +359,10 @@ def steady_tokens(gains, gammas, weights) -> float:
     return B * sum(weights) / S if S > 0.0 else float(B)
 
 
-def _best_uniform(gains, target, draft, factor, extra, row_extra, weights=None) -> tuple[tuple[int, ...], float]:
-    """The batch-level candidates: every row that may draft gets the same γ ≥ 1; (γ_i, score) of the best."""
+def _best_uniform(gains, target, draft, factor, extra, row_extra, weights=None,
+                  ragged: float = 0.0) -> tuple[tuple[int, ...], float]:
+    """The batch-level candidates: every row that may draft gets the same γ ≥ 1; (γ_i, score) of the best
+    (ragged where some rows may not draft)."""
     B = len(gains)
     rows = [i for i, g in enumerate(gains) if g]
     nr = len(rows)
@@ -362,13 +371,14 @@ def _best_uniform(gains, target, draft, factor, extra, row_extra, weights=None) 
     top = min(len(gains[i]) for i in rows)
     rx = sum(row_extra[i] for i in rows) if row_extra is not None else 0.0
     tb, tokens = target[B], float(B)
+    r = 1.0 + ragged if nr < B else 1.0
     best, best_g = float("inf"), 0
     for k in range(1, top + 1):
         if weights is None:
             tokens += sum(gains[i][k - 1] for i in rows)
         else:
             tokens = steady_tokens(gains, [k if g else 0 for g in gains], weights)
-        s = (factor[k] * (verify_by_tokens(tb, B, k * nr) + k * draft[nr]) + extra + rx) / tokens
+        s = (factor[k] * (verify_by_tokens(tb, B, k * nr) * r + k * draft[nr]) + extra + rx) / tokens
         if s < best:
             best, best_g = s, k
     out = [0] * B

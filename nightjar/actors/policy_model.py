@@ -60,7 +60,7 @@ import copy
 import math
 from typing import Any
 
-from nightjar.actors.gamma_allocator import RequestAcceptance, allocate, verify_by_tokens
+from nightjar.actors.gamma_allocator import RAGGED_COST, RequestAcceptance, allocate, verify_by_tokens
 from nightjar.actors.policies import (
     PlannerState,
     Policy,
@@ -75,7 +75,7 @@ __all__ = ["AcceptanceModel", "ModelNightjarPolicy", "MODEL_OPTS", "load_profile
 MODEL_OPTS = ("profile", "z", "z_accept", "model_sd", "noise_floor", "arm_discount", "stale_discount", "fade",
               "level_rate", "accept_window", "rho_prior", "cusum_k", "cusum_h", "cusum_keep", "hysteresis",
               "dwell0", "switch_cost", "prompt_charge", "kv_cost", "prior_weight", "hysteresis_onoff",
-              "per_request", "harmonic")
+              "per_request", "harmonic", "ragged_cost")
 
 
 HARMONIC_ROWS = 16          # rows ``nightjar:harmonic`` reads per decision (a stride sample beyond)
@@ -288,12 +288,14 @@ class ModelNightjarPolicy(Policy):
                  cusum_k: float = 0.5, cusum_h: float = 8.0, cusum_keep: float = 0.2, hysteresis: float = 0.02,
                  hysteresis_onoff: float = 0.04, dwell0: float = 64.0, switch_cost: bool = True,
                  prompt_charge: bool = True, kv_cost: bool = True, per_request: bool = False,
-                 harmonic: bool = False) -> None:
+                 harmonic: bool = False, ragged_cost: float = RAGGED_COST) -> None:
         super().__init__(gamma_max)
         if not (0.0 < arm_discount <= 1.0 and 0.0 < level_rate <= 1.0 and 0.0 < fade <= 1.0) or (model_sd or 1) <= 0 \
-                or z < 0:
-            raise ValueError("nightjar: arm_discount, level_rate and fade in (0, 1], model_sd > 0, z >= 0")
+                or z < 0 or not ragged_cost >= 0:
+            raise ValueError("nightjar: arm_discount, level_rate and fade in (0, 1], model_sd > 0, z >= 0, "
+                             "ragged_cost >= 0")
         self.seed = seed                    # deterministic: no randomness is drawn
+        self.ragged_cost = ragged_cost      # per-row γ: a ragged verify's price over uniform rows', less 1
         self.profile = load_profile(profile)
         self.model_sd, self.prior_weight = model_sd, prior_weight
         self.z, self.noise_floor = z, noise_floor
@@ -660,6 +662,9 @@ class ModelNightjarPolicy(Policy):
         """base of a step with B rows whose draft pass k ran drafted_per_pos[k-1] rows (see gamma_allocator)."""
         tt, dt = self._tables(b)
         out = verify_by_tokens(tt[b], b, sum(drafted_per_pos))
+        deep = [n for n in drafted_per_pos if n > 0]
+        if deep and deep[-1] < b:                   # rows of different lengths: the ragged verify's price
+            out *= 1.0 + self.ragged_cost
         f = self._draft_factor()
         for n in drafted_per_pos:
             if n > 0:
@@ -689,7 +694,7 @@ class ModelNightjarPolicy(Policy):
         if f != 1.0:
             dt = [x * f for x in dt]
         weights = ra.weights_rows(req_ids[:b])  # arrival weights of the decode rows: the loop's steady state
-        alloc = allocate(gains, tt, dt, factor, extra, row_extra, weights)
+        alloc = allocate(gains, tt, dt, factor, extra, row_extra, weights, self.ragged_cost)
         out = alloc.gammas
         zero = alloc.zero_score
         if self.kv_cost and self.elastic_memory:
@@ -707,7 +712,7 @@ class ModelNightjarPolicy(Policy):
 
     def _keep_on(self, gains, tt, dt, factor, extra, row_extra, weights=None) -> tuple[int, ...]:
         """Hysteresis on turning speculation off: the best allocation that drafts at least one token."""
-        best = allocate(gains, tt, dt, [math.inf] + factor[1:], extra, row_extra, weights)
+        best = allocate(gains, tt, dt, [math.inf] + factor[1:], extra, row_extra, weights, self.ragged_cost)
         return best.gammas
 
     def _row_extras(self, state: PlannerState, row_lags) -> tuple[float, list[float] | None]:

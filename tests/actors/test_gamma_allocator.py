@@ -181,6 +181,33 @@ def test_rows_that_may_not_draft_get_zero_and_a_fixed_cost_per_step_can_turn_dra
     assert allocate([gains_of(0.9)] * 4, tt, dt, [1.0] * (G + 1), 10.0).gammas == (0,) * 4
 
 
+@pytest.mark.parametrize("b", [8, 16, 32])
+def test_a_ragged_verify_surcharge_turns_a_near_tie_mix_into_the_uniform_choice(b):
+    """Rows at 0.75 and 0.45 acceptance: priced by tokens alone the allocator gives them different depths; once a
+    ragged verify costs 20 % more than uniform rows of the same tokens, one γ for all rows wins. The surcharge
+    never applies to a uniform candidate, so with equal acceptance it changes nothing."""
+    gains = [gains_of(0.75 if i % 2 == 0 else 0.45) for i in range(b)]
+    tt, dt = tables(CPU, b)
+    mixed = allocate(gains, tt, dt, [1.0] * (G + 1), 0.0).gammas
+    assert len(set(mixed)) > 1, mixed
+    flat = allocate(gains, tt, dt, [1.0] * (G + 1), 0.0, ragged=0.2).gammas
+    assert len(set(flat)) == 1, flat
+    for rate in (0.3, 0.6, 0.9):
+        even = [gains_of(rate)] * b
+        assert allocate(even, tt, dt, [1.0] * (G + 1), 0.0, ragged=0.2).gammas == \
+            allocate(even, tt, dt, [1.0] * (G + 1), 0.0).gammas
+
+
+def test_the_planner_learns_a_ragged_step_against_its_surcharged_base():
+    p = make_policy("nightjar:per-request", G, profile=CPU, ragged_cost=0.1)
+    q = make_policy("nightjar:per-request", G, profile=CPU, ragged_cost=0.0)
+    assert p.mixed_base(8, (8, 8)) == q.mixed_base(8, (8, 8))                 # uniform rows: no surcharge
+    tgt = verify_by_tokens(p._tables(8)[0][8], 8, 12)
+    assert p.mixed_base(8, (8, 4)) - q.mixed_base(8, (8, 4)) == pytest.approx(0.1 * tgt)
+    with pytest.raises(ValueError, match="ragged_cost"):
+        make_policy("nightjar", G, ragged_cost=-0.1)
+
+
 def test_a_mixed_verify_is_priced_by_its_tokens_as_uniform_rows():
     row = [0.0, 10.0, 12.0, 15.0, 19.0, 24.0]              # T(B, q) for q = 1..5 at one B
     assert verify_by_tokens(row, 4, 0) == 10.0
