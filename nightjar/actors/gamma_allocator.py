@@ -47,7 +47,7 @@ _LOG_G = tuple(math.log(g) for g in GRID)
 _LOG_Q = tuple(math.log(1.0 - g) for g in GRID)
 
 __all__ = ["GRID", "RequestAcceptance", "Allocation", "allocate", "steady_tokens", "verify_by_tokens", "row_gammas",
-           "gamma_histogram", "layer_counts", "RAGGED_COST"]
+           "gamma_histogram", "layer_counts", "RAGGED_COST", "priced_verify"]
 
 RAGGED_COST = 0.07      # a ragged verify over the same tokens in uniform rows, less 1 (bench/mixed_steps.py, bf16 CPU)
 
@@ -64,6 +64,13 @@ def verify_by_tokens(row: list[float], batch: int, drafted: int) -> float:
     if lo + 1 >= len(row):
         return row[-1] + (q - (len(row) - 1)) * (row[-1] - row[-2])
     return row[lo] + (q - lo) * (row[lo + 1] - row[lo])
+
+
+def priced_verify(row: list[float], batch: int, drafted: int, deepest_rows: int, ragged: float) -> float:
+    """``verify_by_tokens`` ×(1 + ragged) when the rows verify different lengths, i.e. when fewer than ``batch``
+    rows reach the deepest draft position (``deepest_rows``); a uniform or draft-free verify is not surcharged."""
+    t = verify_by_tokens(row, batch, drafted)
+    return t * (1.0 + ragged) if drafted > 0 and deepest_rows < batch else t
 
 
 def row_gammas(gamma: int, gammas: tuple[int, ...], speculate: tuple[bool, ...], num_decode: int) -> tuple[int, ...]:
@@ -311,8 +318,7 @@ def allocate(gains: list[list[float]], target: list[list[float]], draft: list[fl
             nxt = order[m + 1]
             if nxt[1] == k and nxt[0] <= ng * (1.0 - 1e-9):
                 continue                        # rows tied with this one at this depth move together
-        v = verify_by_tokens(tb, B, drafted) * (1.0 + ragged if n[deepest] < B else 1.0)
-        s = (factor[deepest] * (v + passes) + extra + rx) / tokens
+        s = (factor[deepest] * (priced_verify(tb, B, drafted, n[deepest], ragged) + passes) + extra + rx) / tokens
         if s < best_on:
             best_on = s
         if s < best:
@@ -371,14 +377,13 @@ def _best_uniform(gains, target, draft, factor, extra, row_extra, weights=None,
     top = min(len(gains[i]) for i in rows)
     rx = sum(row_extra[i] for i in rows) if row_extra is not None else 0.0
     tb, tokens = target[B], float(B)
-    r = 1.0 + ragged if nr < B else 1.0
     best, best_g = float("inf"), 0
     for k in range(1, top + 1):
         if weights is None:
             tokens += sum(gains[i][k - 1] for i in rows)
         else:
             tokens = steady_tokens(gains, [k if g else 0 for g in gains], weights)
-        s = (factor[k] * (verify_by_tokens(tb, B, k * nr) * r + k * draft[nr]) + extra + rx) / tokens
+        s = (factor[k] * (priced_verify(tb, B, k * nr, nr, ragged) + k * draft[nr]) + extra + rx) / tokens
         if s < best:
             best, best_g = s, k
     out = [0] * B

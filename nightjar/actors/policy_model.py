@@ -60,7 +60,7 @@ import copy
 import math
 from typing import Any
 
-from nightjar.actors.gamma_allocator import RAGGED_COST, RequestAcceptance, allocate, verify_by_tokens
+from nightjar.actors.gamma_allocator import RAGGED_COST, RequestAcceptance, allocate, priced_verify
 from nightjar.actors.policies import (
     PlannerState,
     Policy,
@@ -661,10 +661,8 @@ class ModelNightjarPolicy(Policy):
     def mixed_base(self, b: int, drafted_per_pos) -> float:
         """base of a step with B rows whose draft pass k ran drafted_per_pos[k-1] rows (see gamma_allocator)."""
         tt, dt = self._tables(b)
-        out = verify_by_tokens(tt[b], b, sum(drafted_per_pos))
         deep = [n for n in drafted_per_pos if n > 0]
-        if deep and deep[-1] < b:                   # rows of different lengths: the ragged verify's price
-            out *= 1.0 + self.ragged_cost
+        out = priced_verify(tt[b], b, sum(deep), deep[-1] if deep else b, self.ragged_cost)
         f = self._draft_factor()
         for n in drafted_per_pos:
             if n > 0:
