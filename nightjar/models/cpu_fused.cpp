@@ -13,6 +13,8 @@
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
 //   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 or x's dtype (an int8 LM head or layer)
 //   int4_linear     x [M, K] @ W^T, W in torch's int4 pack + group scales -> [M, N] (an int4 layer's short calls)
+//   bf16_panels     bf16 W [N, K] -> panels of 16 output columns (a bf16 layer on a CPU without bf16 arithmetic)
+//   bf16_linear     x [M, K] @ W^T, W as bf16_panels -> [M, N] in x's dtype (models/cpu_linear.py PANELS)
 //   (int8_linear and int4_linear take bf16 x on AMX tiles where the CPU has them and Linux grants them;
 //   use_amx(False) turns that off)
 // Every op that computes values accumulates in fp32 and rounds once to the tensor dtype (float or bfloat16).
@@ -1113,6 +1115,104 @@ int64_t argmax_row(const float* x, int64_t V) {
   return idx < 0 ? 0 : idx;                        // every value -inf: torch returns 0
 }
 
+// ---- bf16_linear: y = x @ W^T for bf16 W on CPUs without bf16 arithmetic (no AVX512-bf16, no AMX) ----------
+// torch's bf16 GEMM there runs one GEMV per row (~90 us per row of a 576 x 1536 layer on a 2-vCPU AVX2 EPYC),
+// so a step of 16 rows costs 16 steps of one. Here W is held as panels of 16 output columns, P [ceil(N/16), K, 16]
+// (zero past N), and each panel is read once per tile of up to MTB rows of x: per input k, the 16 bf16 weights
+// widen to fp32 in registers and multiply-add into every row's accumulators. Within a panel's 16 values of one k,
+// even places hold outputs 0-7 and odd places outputs 8-15, so one 32-bit lane widens to two weights (its low
+// half shifted up, its high half masked). An output is the same sequence of fused multiply-adds over k whatever
+// M, the tiling or the threads: a row's numbers never depend on the step's other rows. Vectors are 8 lanes (v8),
+// which AVX2 holds in one register each: 6 rows x 2 accumulators + 2 weight vectors + 1 broadcast fit its 16.
+constexpr int MTB = 6;                      // rows of x per tile
+constexpr int64_t BF16_PANEL = 16;
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+at::Tensor bf16_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "w must be a contiguous bfloat16 [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + BF16_PANEL - 1) / BF16_PANEL;
+  auto p = at::zeros({NB, K, BF16_PANEL}, w.options());
+  const c10::BFloat16* pw = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* pp = p.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      for (int64_t j = 0; j < std::min(BF16_PANEL, N - b * BF16_PANEL); ++j) {
+        const int64_t place = j < 8 ? 2 * j : 2 * (j - 8) + 1;   // outputs 0-7 even places, 8-15 odd
+        for (int64_t k = 0; k < K; ++k) pp[(b * K + k) * BF16_PANEL + place] = pw[(b * BF16_PANEL + j) * K + k];
+      }
+  });
+  return p;
+}
+
+template <typename Y>
+inline void store_panel_row(const v8& lo, const v8& hi, Y* y, int64_t n) {   // n <= 16 outputs
+  for (int64_t j = 0; j < n; ++j) y[j] = static_cast<Y>(j < 8 ? lo[j] : hi[j - 8]);
+}
+
+template <int MT, typename Y>
+inline void panel_tile(const float* x, int64_t K, const c10::BFloat16* p, Y* y, int64_t N, int64_t n0) {
+  v8 lo[MT], hi[MT];
+  for (int m = 0; m < MT; ++m) lo[m] = hi[m] = v8{};
+  for (int64_t k = 0; k < K; ++k) {
+    u32x8 raw;
+    std::memcpy(&raw, p + BF16_PANEL * k, sizeof raw);
+    const v8 w0 = __builtin_bit_cast(v8, raw << 16);               // outputs 0-7 of input k, fp32
+    const v8 w1 = __builtin_bit_cast(v8, raw & 0xFFFF0000u);       // outputs 8-15
+    for (int m = 0; m < MT; ++m) {
+      const float s = x[m * K + k];
+      lo[m] += s * w0;
+      hi[m] += s * w1;
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_panel_row(lo[m], hi[m], y + m * N + n0, std::min(BF16_PANEL, N - n0));
+}
+
+template <typename Y>
+void panel_rows(const float* x, int64_t mt, int64_t K, const c10::BFloat16* p, Y* y, int64_t N, int64_t n0) {
+  switch (mt) {
+    case 1: panel_tile<1>(x, K, p, y, N, n0); break;
+    case 2: panel_tile<2>(x, K, p, y, N, n0); break;
+    case 3: panel_tile<3>(x, K, p, y, N, n0); break;
+    case 4: panel_tile<4>(x, K, p, y, N, n0); break;
+    case 5: panel_tile<5>(x, K, p, y, N, n0); break;
+    default: panel_tile<6>(x, K, p, y, N, n0); break;
+  }
+}
+
+// x [M, K] (float or bfloat16) @ W^T, W as bf16_panels(W) with N output columns -> [M, N] in x's dtype
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float or bfloat16");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kBFloat16 &&
+              panels.size(1) == x.size(1) && panels.size(2) == BF16_PANEL &&
+              panels.size(0) == (N + BF16_PANEL - 1) / BF16_PANEL,
+              "panels must be bf16_panels(W) of a bfloat16 [N, K] weight with K = x's columns");
+  const int64_t M = x.size(0), K = x.size(1), NB = panels.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<float> xf(M * K);                                   // x in fp32 [M, K]
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bf16_linear", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(px[i]);
+  });
+  const c10::BFloat16* pp = panels.data_ptr<c10::BFloat16>();
+  constexpr int64_t CHUNK = 8 * MTB;                              // rows whose fp32 x stays in L2 while panels pass
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bf16_linear", [&] {
+    scalar_t* py = y.data_ptr<scalar_t>();
+    for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
+      const int64_t c1 = std::min(M, c0 + CHUNK);
+      at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t b = lo; b < hi; ++b)
+          for (int64_t m0 = c0; m0 < c1; m0 += MTB)
+            panel_rows(xf.data() + m0 * K, std::min<int64_t>(MTB, c1 - m0), K, pp + b * K * BF16_PANEL,
+                       py + m0 * N, N, b * BF16_PANEL);
+      });
+    }
+  });
+  return y;
+}
+
 // argmax over the last dim of x [N, V] fp32 -> [N] int64, as torch.argmax: the first index of the largest
 // value, or of the first NaN (a NaN row is a NaN's argmax in torch too)
 at::Tensor argmax_rows(const at::Tensor& x) {
@@ -1139,6 +1239,8 @@ TORCH_LIBRARY(nightjar_cpu, m) {
         "int block_size, float scale, int max_query) -> Tensor");
   m.def("int4_weight_t(Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("bf16_panels(Tensor w) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor panels, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales, bool like_x=False) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("use_amx(bool on) -> bool", use_amx);           // no tensor: one kernel for every backend
@@ -1153,6 +1255,8 @@ TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("int4_weight_t", int4_weight_t);
   m.impl("argmax_rows", argmax_rows);
+  m.impl("bf16_panels", bf16_panels);
+  m.impl("bf16_linear", bf16_linear);
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
 }

@@ -584,16 +584,18 @@ class LlamaModel(nn.Module):
         return self
 
     def pack_cpu_weights(self, mirror: bool = False) -> bool:
-        """On a bf16 CPU model with oneDNN bf16 kernels, hold every projection and the LM head in
-        oneDNN's packed layout (inference only; see models/cpu_linear.py). ``mirror`` keeps the plain
-        weights as the parameters (a draft's, which move). Returns whether it packed."""
-        from nightjar.models.cpu_linear import PACKED_MIN_ROWS, is_packed, pack_linears, packing_available
+        """On a bf16 CPU model, hold every projection and the LM head packed in this machine's layout
+        (oneDNN's, or 16-column panels where oneDNN has no bf16 kernels; inference only; see
+        models/cpu_linear.py). ``mirror`` keeps the plain weights as the parameters (a draft's, which move).
+        Returns whether it packed."""
+        from nightjar.models.cpu_linear import cpu_format, is_packed, pack_linears
 
-        if not packing_available(self.dtype, self.device):
+        fmt = cpu_format(self.dtype, self.device)
+        if fmt is None:
             return False
-        pack_linears(self, mirror=mirror)
-        self.gemm_min_rows = PACKED_MIN_ROWS if is_packed(self.layers[0].mlp.down_proj) else 0
-        self.head_min_rows = PACKED_MIN_ROWS if is_packed(self.lm_head) else 0
+        pack_linears(self, mirror=mirror, fmt=fmt)
+        self.gemm_min_rows = fmt.min_rows if is_packed(self.layers[0].mlp.down_proj) else 0
+        self.head_min_rows = fmt.min_rows if is_packed(self.lm_head) else 0
         return True
 
     def weight_bytes(self) -> int:

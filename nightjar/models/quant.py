@@ -57,6 +57,17 @@ _INNER_K_TILES = 2         # the packer's innerKTiles argument, as torchao passe
 
 
 @functools.cache
+def int4_block() -> int:
+    """Rows per block of torch's CPU int4 pack on this machine: 64 where torch runs its AVX-512 kernels, 32 on
+    AVX2 (byte j of a block's column holds rows j and j + block/2; unpack_int4). Read off the packer once: row 32
+    of a 64-row weight is the high nibble of byte 0 in blocks of 64, the low nibble of block 1's first byte in 32."""
+    w = torch.zeros(64, 16, dtype=torch.int32)
+    w[32, 0] = 1
+    flat = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, _INNER_K_TILES).reshape(-1)
+    return 64 if int(flat[0]) == 0x10 else 32
+
+
+@functools.cache
 def _int8_linear():
     """``int8_linear``'s ``.default`` overload, resolved once."""
     return torch.ops.nightjar_cpu.int8_linear.default
@@ -128,7 +139,7 @@ class QuantLinear(nn.Module):
         from 5 to 32 rows, 0.74x at one). Decided when the layer is made, moved or cast, as the model's own fused
         ops are."""
         self.fused_int4 = (self.mode == "int4" and self.out_features % 64 == 0 and self.qweight.device.type == "cpu"
-                           and self.scales.dtype in _FUSED_DTYPES and cpu_fused.available())
+                           and self.scales.dtype in _FUSED_DTYPES and _fused_int4_layout())
         self.fused_int8 = (self.mode == "int8" and self.qweight.device.type == "cpu" and self.in_features % 32 == 0
                            and self.scales.dtype == torch.bfloat16 and cpu_fused.uses_amx())
 
@@ -155,15 +166,15 @@ class QuantLinear(nn.Module):
         return x2 @ self.weight_t(x2.dtype)
 
     def weight_t(self, dtype: torch.dtype) -> torch.Tensor:
-        """int4 W^T [in, out] in ``dtype``, contiguous: the packed rows (blocks of 64: byte j holds rows j and
-        j+32) unpack into W^T without a transposing copy; w = q * s + (z - 8 s) in one fused op."""
-        n, k, g = self.out_features, self.in_features, self.group_size
-        if n % 64:
+        """int4 W^T [in, out] in ``dtype``, contiguous: the packed rows (blocks of B = ``int4_block()``: byte j holds
+        rows j and j + B/2) unpack into W^T without a transposing copy; w = q * s + (z - 8 s) in one fused op."""
+        n, k, g, bn = self.out_features, self.in_features, self.group_size, int4_block()
+        if n % bn:
             return self.dequantize().to(dtype).t().contiguous()
-        if self.qweight.device.type == "cpu" and self.scales.dtype == dtype and cpu_fused.available():
+        if self.qweight.device.type == "cpu" and self.scales.dtype == dtype and _fused_int4_layout():
             # the same numbers in one pass instead of the six torch ops below (~4x faster)
             return torch.ops.nightjar_cpu.int4_weight_t.default(self.qweight, self.scales, g)
-        b = self.qweight.view(n // 64, k, 32).transpose(0, 1)           # [in, blocks, 32]
+        b = self.qweight.view(n // bn, k, bn // 2).transpose(0, 1)      # [in, blocks, B/2]
         q = torch.stack((b & 15, b >> 4), dim=2).to(dtype).view(k // g, g, n)   # [in/g, g, out]
         sz = self.scales.float()                                         # [in/g, out, 2]
         s = sz[..., 0].to(dtype)[:, None, :].contiguous()               # [in/g, 1, out]
@@ -256,18 +267,24 @@ def _fit_int4(wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, dtype: torch.d
 def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Undo ``_convert_weight_to_int4pack_for_cpu`` (torch 2.13): uint8 [n, k/2] -> codes [n, k] (uint8).
 
-    Rows go in blocks of 64: byte (k_i, j) holds row j (low nibble) and row j+32 (high). A tail of
-    n % 64 rows pairs neighbouring rows: byte (k_i, j) holds rows 2j (low) and 2j+1 (high).
+    Rows go in blocks of B = ``int4_block()`` (64, or 32 on AVX2): byte (k_i, j) holds row j (low nibble) and row
+    j + B/2 (high). A tail of n % B rows pairs neighbouring rows: byte (k_i, j) holds rows 2j (low) and 2j+1 (high).
     """
-    flat = packed.reshape(-1)
-    nb = n // 64 * 64
-    head = flat[: nb * k // 2].view(n // 64, k, 32)                   # [blocks, k, 32]
+    flat, bn = packed.reshape(-1), int4_block()
+    nb = n // bn * bn
+    head = flat[: nb * k // 2].view(n // bn, k, bn // 2)              # [blocks, k, B/2]
     q = torch.cat((head & 15, head >> 4), dim=-1).permute(0, 2, 1).reshape(nb, k)
     if nb == n:
         return q
     tail = flat[nb * k // 2:].view(k, (n - nb) // 2)                  # [k, r/2]
     qt = torch.stack((tail & 15, tail >> 4), dim=-1).reshape(k, n - nb).t()
     return torch.cat((q, qt))
+
+
+def _fused_int4_layout() -> bool:
+    """The fused ``int4_linear`` / ``int4_weight_t`` serve: they build here and read torch's pack in blocks of 64
+    rows, which is this machine's (``int4_block``; on AVX2 torch packs 32 and its own kernel serves)."""
+    return cpu_fused.available() and int4_block() == 64
 
 
 def _linear_weight(m: nn.Module) -> torch.Tensor | None:
@@ -319,12 +336,13 @@ class RowSplitLinear(nn.Module):
 
 def mix_int8(model: nn.Module) -> int:
     """Give each of a draft's oneDNN-packed bf16 layers an int8 copy for calls of few rows (RowSplitLinear);
-    the LM head's is a QuantHead where the fused CPU ops build. Returns how many layers."""
-    from nightjar.models.cpu_linear import MirroredPackedLinear
+    the LM head's is a QuantHead where the fused CPU ops build. Returns how many layers. Layers in bf16 panels
+    (CPUs without bf16 arithmetic) stay as they are: there torch's packed int8 kernel is the slower one."""
+    from nightjar.models.cpu_linear import ONEDNN, MirroredPackedLinear
 
     head = getattr(model, "lm_head", None)
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, MirroredPackedLinear)
-             and (m is not head or cpu_fused.available())]
+             and m.fmt is ONEDNN and (m is not head or cpu_fused.available())]
     for name, m in swaps:
         w = m.weight.detach()                                                  # [out, in] bf16
         small = QuantHead.from_weight(w.float()) if m is head else QuantLinear.from_weight(w, "int8")
@@ -370,7 +388,7 @@ def load_quantized(spec, dtype: str | torch.dtype, device: str, mode: str, draft
             raise ValueError("mixed is a draft's quantization, not a target's")
         loaded = load_draft(spec, draft_for, dtype, device, seed)
         if loaded is not None:
-            mix_int8(loaded.model)                  # only its oneDNN-packed layers: none off bf16 CPUs
+            mix_int8(loaded.model)                  # only its oneDNN-packed layers: none off AVX512-bf16 CPUs
         return loaded
     if mode == "none":
         if draft_for is not None:

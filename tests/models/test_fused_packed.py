@@ -8,12 +8,13 @@ import torch
 
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import load_draft, load_model
-from nightjar.models.cpu_linear import MirroredPackedLinear, PackedLinear, gemm_rows, packing_available
+from nightjar.models.cpu_linear import ONEDNN, MirroredPackedLinear, PackedLinear, cpu_format, gemm_rows, packing_available
 from nightjar.models.llama import build_layout
 from nightjar.models.loader import build_model, load_weights, read_safetensors_state
 from tests.models.test_llama_parity import Runner, hf_logits, save_hf_llama
 
-PACKING = packing_available(torch.bfloat16, torch.device("cpu"))
+PACKING = packing_available(torch.bfloat16, torch.device("cpu"))   # oneDNN's layout, else bf16 panels
+ONEDNN_HERE = cpu_format(torch.bfloat16, torch.device("cpu")) is ONEDNN
 
 
 def _runs(model, seqs):
@@ -65,7 +66,7 @@ def test_fusion_is_idempotent_and_changes_no_weight_bytes(tmp_path):
     assert plain.weight_bytes() == before
 
 
-@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not PACKING, reason="no packed bf16 layout on this CPU")
 def test_packed_bf16_model_matches_the_unpacked_one(tmp_path):
     save_hf_llama(tmp_path, tie=True)
     cfg, state = read_safetensors_state(tmp_path)
@@ -84,7 +85,7 @@ def test_packed_bf16_model_matches_the_unpacked_one(tmp_path):
     assert torch.equal(lm.dense_weight(), plain.lm_head.weight)
 
 
-@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not PACKING, reason="no packed bf16 layout on this CPU")
 def test_a_target_is_packed_but_a_draft_and_fp32_models_are_not(tmp_path):
     save_hf_llama(tmp_path)
     packed = lambda m: any(isinstance(x, PackedLinear) for x in m.modules())  # noqa: E731
@@ -94,7 +95,7 @@ def test_a_target_is_packed_but_a_draft_and_fp32_models_are_not(tmp_path):
     assert not packed(load_model(tmp_path, "float32").model)
 
 
-@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not PACKING, reason="no packed bf16 layout on this CPU")
 def test_packed_linear_rows_do_not_depend_on_the_batch():
     """A row's output is the same whether it runs alone or among 8 rows (decode vs verify shapes)."""
     torch.manual_seed(0)
@@ -113,7 +114,7 @@ def test_gemm_rows_rounds_row_counts_to_few_shapes():
     assert len({gemm_rows(m) for m in range(1, 1025)}) == 13 + 15 + 12
 
 
-@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not PACKING, reason="no packed bf16 layout on this CPU")
 def test_a_draft_layer_pads_its_rows_and_returns_exactly_the_rows_asked():
     """MirroredPackedLinear runs ``gemm_rows`` rows (zeros after the inputs'): each row's output is the one it
     gets alone (rows are independent), for 2-D and 3-D inputs."""
@@ -130,7 +131,7 @@ def test_a_draft_layer_pads_its_rows_and_returns_exactly_the_rows_asked():
     assert (out.float() - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
-@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not PACKING, reason="no packed bf16 layout on this CPU")
 async def test_a_mirrored_packed_draft_survives_release_and_reload_exactly():
     """The draft keeps plain weights (the mover moves them) and a packed copy that release frees and
     a reload rebuilds: same logits after the cycle, and release reports the packed bytes too."""
@@ -173,7 +174,7 @@ def test_signed_rope_gives_the_rotate_half_numbers_exactly(dtype):
     assert torch.equal(apply_rope_signed(x, cos, signed_sin(sin)), apply_rope(x, cos, sin))
 
 
-@pytest.mark.skipif(not PACKING, reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not ONEDNN_HERE, reason="no oneDNN bf16 kernels on this CPU (bf16 panels do not pad)")
 def test_forwards_of_few_tokens_are_padded_and_compute_the_same_logits(tmp_path):
     """A packed model pads forwards of 1-3 tokens (and LM heads of 1-3 rows) with zero rows: the logits
     and the captured features are those of the unpadded forward, bit for bit (packed rows do not depend

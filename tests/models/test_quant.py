@@ -13,6 +13,7 @@ import torch
 
 import nightjar.models.quant as quant
 from nightjar.models import LoadedModel, cpu_fused
+from nightjar.models.cpu_linear import ONEDNN, cpu_format
 from nightjar.models.quant import QuantHead, QuantLinear, quantize_int4, quantize_model
 from nightjar.sampling import SamplingParams
 from tests.conftest import perturbed, random_model, tiny_config
@@ -53,6 +54,11 @@ def test_int4_unpacking_inverts_the_cpu_packer():
         codes = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         assert torch.equal(quant.unpack_int4(packed, out_f, in_f).to(torch.int32), codes)
+    # torch packs blocks of 64 rows with its AVX-512 kernels, 32 on AVX2; the fused int4 ops read 64 only
+    assert quant.int4_block() in (32, 64)
+    layer = QuantLinear.from_weight(torch.randn(64, 64, generator=g), "int4")
+    assert layer.fused_int4 == (cpu_fused.available() and quant.int4_block() == 64)
+    assert torch.allclose(layer.weight_t(torch.float32), layer.dequantize().t(), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,12 +240,27 @@ def test_the_pass_quantizes_onednn_packed_layers_too():
 
 
 # ---- mixed: a bf16 draft's int8 copies for calls of few rows (models/quant.py RowSplitLinear) -------------
+ONEDNN_HERE = cpu_format(torch.bfloat16, torch.device("cpu")) is ONEDNN
+
+
+@pytest.mark.skipif(not cpu_fused.available(), reason="the fused CPU ops do not build here")
+def test_mix_int8_leaves_layers_in_bf16_panels_alone():
+    """Off AVX512-bf16 CPUs a draft's layers are bf16 panels, faster than torch's int8 kernel at 1-3 rows."""
+    from nightjar.models.cpu_linear import PANELS, MirroredPackedLinear, pack_linears
+    from nightjar.models.quant import mix_int8
+
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=6, dtype=torch.bfloat16).fuse_projections()
+    assert pack_linears(model, mirror=True, fmt=PANELS) > 0
+    assert mix_int8(model) == 0
+    assert isinstance(model.layers[0].mlp.down_proj, MirroredPackedLinear)
+
+
 def mixed_model(seed: int = 6, hidden: int = 64):
     """A bf16 tiny model, fused and oneDNN-packed as a draft is (mirrored), then mixed; skips without oneDNN."""
     from nightjar.models.quant import mix_int8
 
     model = random_model(tiny_config(vocab=96, hidden=hidden), seed=seed, dtype=torch.bfloat16).fuse_projections()
-    if not model.pack_cpu_weights(mirror=True):
+    if not (ONEDNN_HERE and model.pack_cpu_weights(mirror=True)):
         pytest.skip("no oneDNN bf16 kernels on this CPU")
     packed, before = sum(1 for m in model.modules() if hasattr(m, "packed")), model.weight_bytes()
     return model, mix_int8(model), packed, before
@@ -310,7 +331,7 @@ def test_every_policy_is_greedy_exact_with_a_mixed_draft(make_engine, smol_token
     cfg = tiny_config(eos=smol_tokenizer.eos_token_ids)
     base = random_model(cfg, seed=1, dtype=torch.bfloat16).fuse_projections()
     draft = perturbed(base, 0.02, 2)
-    if not (base.pack_cpu_weights() and draft.pack_cpu_weights(mirror=True)):
+    if not (ONEDNN_HERE and base.pack_cpu_weights() and draft.pack_cpu_weights(mirror=True)):
         pytest.skip("no oneDNN bf16 kernels on this CPU")
     assert mix_int8(draft) > 0
     target, draft = LoadedModel(base, smol_tokenizer, "tiny-bf16"), LoadedModel(draft, None, "tiny-draft-mixed")
