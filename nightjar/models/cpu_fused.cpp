@@ -274,86 +274,176 @@ inline void by_rows(int64_t mt, Tile&& tile) {
   }
 }
 
+// Attention's vectors: AL fp32 lanes, one register of the machine (AVX-512: 16; else 8, as AVX2 holds them: GCC keeps a
+// 16-lane vector that the CPU has no register for in memory, and attention on v16 ran ~5x slower on an AVX2 EPYC).
+#if defined(__AVX512F__)
+constexpr int64_t AL = 16;
+#else
+constexpr int64_t AL = 8;
+#endif
+typedef float va __attribute__((vector_size(4 * AL)));
+typedef int32_t vai __attribute__((vector_size(4 * AL)));
+typedef uint16_t vau16 __attribute__((vector_size(2 * AL)));
+typedef uint32_t vau32 __attribute__((vector_size(4 * AL)));
+
+// AL values from src as fp32 lanes (as load16); n < AL zero-fills
+template <typename T>
+inline va load_a(const T* src, int64_t n) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (n >= AL) {
+      vau16 raw;
+      std::memcpy(&raw, src, sizeof raw);
+      return __builtin_bit_cast(va, __builtin_convertvector(raw, vau32) << 16);
+    }
+  } else if constexpr (std::is_same_v<T, float>) {
+    if (n >= AL) {
+      va out;
+      std::memcpy(&out, src, sizeof out);
+      return out;
+    }
+  }
+  va out{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, AL); ++i) out[i] = f32(src[i]);
+  return out;
+}
+
+// one head vector src [d] -> dst [C] fp32 vectors (C = d rounded up to AL lanes, zero past d)
+template <typename T>
+inline void widen_a(const T* src, va* dst, int64_t d, int64_t C, float scale = 1.f) {
+  for (int64_t c = 0; c < C; ++c) dst[c] = load_a(src + AL * c, d - AL * c) * scale;
+}
+
+// e^x as vexp, on attention's vectors
+inline va vexp_a(va x) {
+  x = x < -87.f ? va{} - 87.f : x;
+  x = x > 88.f ? va{} + 88.f : x;
+  const va t = x * 1.44269504088896341f + 12582912.f;
+  const va n = t - 12582912.f;
+  const va r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  va p = va{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vai e = (__builtin_convertvector(n, vai) + 127) << 23;
+  return p * reinterpret_cast<const va&>(e);
+}
+
+inline float hsum_a(va a) {
+#if defined(__AVX512F__)
+  return hsum(a);
+#else
+  const v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+#endif
+}
+
+// a[AL] -> their lane sums (lane i: the sum of a[i]'s lanes), as reduce16
+inline va reduce_a(const va* a) {
+#if defined(__AVX512F__)
+  return reduce16(a);
+#else
+  va b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+inline va lane_index_a() {
+  va v;
+  for (int64_t i = 0; i < AL; ++i) v[i] = static_cast<float>(i);
+  return v;
+}
+
 // Positions per attention task. Fixed, so that a query's numbers depend only on its own row's positions: not on
 // the step's other rows, how many queries its row verifies, or the thread count.
 constexpr int64_t kChunk = 64;
-constexpr int64_t kMaxC = 16;  // head_dim <= 256
+constexpr int64_t kMaxD = 256;           // head_dim <= 256
+constexpr int64_t kMaxC = kMaxD / AL;
 
 // One (row, kv head, chunk of positions [p0, p0 + kChunk) within the row's L): for each of the row's n = Q * gq
 // queries (token-major, then head within the group) the chunk's largest score m, z = sum of e^(s - m) and
 // acc = sum of e^(s - m) v [d], written to part[r * (d + 2) ...] as (m, z, acc). Query r sees the positions before
 // L - Q + r / gq + 1 (causal within the row's query chunk); one that sees none of the chunk gets m = -inf, z = 0.
-// CC > 0: the head's 16-lane chunk count (d / 16) known at compile time, so the inner loops unroll and the
-// accumulators stay in registers; CC = 0: any d up to 16 * kMaxC.
+// CC > 0: the head's AL-lane vector count (d / AL) known at compile time, so the inner loops unroll and the
+// accumulators stay in registers; CC = 0: any d up to kMaxD.
 template <typename T, int64_t CC>
 void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t bs, int64_t L, int64_t Q,
                   int64_t gq, int64_t dd, int64_t nh, int64_t h, float scale, int64_t p0, float* part) {
   constexpr float ninf = -std::numeric_limits<float>::infinity();
-  constexpr int64_t S = kChunk / 16;                                 // v16 of scores per query
-  constexpr int64_t R = CC > 0 ? std::max<int64_t>(1, 16 / CC) : 4;  // queries per pass over V
+  constexpr int64_t S = kChunk / AL;                                 // vectors of scores per query
+  constexpr int64_t R = CC > 0 ? std::max<int64_t>(1, AL / CC) : 4;  // queries per pass over V
   static_assert(R <= 5, "by_rows dispatches passes of up to 5 queries");
-  const int64_t d = CC > 0 ? 16 * CC : dd, C = CC > 0 ? CC : (d + 15) / 16;
+  const int64_t d = CC > 0 ? AL * CC : dd, C = CC > 0 ? CC : (d + AL - 1) / AL;
   const int64_t n = Q * gq, P = std::min(kChunk, L - p0);
-  thread_local std::vector<v16> qf, kv, sc;                          // per thread, reused across tasks
+  thread_local std::vector<va> qf, kv, sc;                           // per thread, reused across tasks
   qf.resize(n * C);
-  kv.resize(kChunk * C);                                              // 16 keys, then the chunk's values
-  sc.assign(n * S, v16{});
+  kv.resize(kChunk * C);                                              // AL keys, then the chunk's values
+  sc.assign(n * S, va{});
   int64_t off[kChunk];  // offset of position p0 + j in a head's cache (one division per chunk, not per position)
   for (int64_t j = 0, blk = p0 / bs, i = p0 % bs; j < P; ++j) {
     off[j] = (table[blk] * bs + i) * d;
     if (++i == bs) i = 0, ++blk;
   }
   for (int64_t tq = 0; tq < Q; ++tq)  // query vectors, pre-scaled
-    for (int64_t g = 0; g < gq; ++g) widen(q + (tq * nh + h * gq + g) * d, &qf[(tq * gq + g) * C], d, C, scale);
-  for (int64_t j0 = 0; j0 < P; j0 += 16) {  // scores of 16 positions at a time: [16 positions] x [C] -> lanes
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j0 + j < P) widen(kc + off[j0 + j], &kv[j * C], d, C);
-      else std::fill(&kv[j * C], &kv[j * C] + C, v16{});
+    for (int64_t g = 0; g < gq; ++g) widen_a(q + (tq * nh + h * gq + g) * d, &qf[(tq * gq + g) * C], d, C, scale);
+  for (int64_t j0 = 0; j0 < P; j0 += AL) {  // scores of AL positions at a time: [AL positions] x [C] -> lanes
+    for (int64_t j = 0; j < AL; ++j) {
+      if (j0 + j < P) widen_a(kc + off[j0 + j], &kv[j * C], d, C);
+      else std::fill(&kv[j * C], &kv[j * C] + C, va{});
     }
     for (int64_t r = 0; r < n; ++r) {
-      v16 a[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        v16 s = qf[r * C] * kv[j * C];
+      va a[AL];
+      for (int64_t j = 0; j < AL; ++j) {
+        va s = qf[r * C] * kv[j * C];
         for (int64_t c = 1; c < C; ++c) s += qf[r * C + c] * kv[j * C + c];
         a[j] = s;
       }
-      sc[r * S + j0 / 16] = reduce16(a);
+      sc[r * S + j0 / AL] = reduce_a(a);
     }
   }
-  const v16 lane16 = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const va lanes = lane_index_a();
   for (int64_t r = 0; r < n; ++r) {  // e^(s - m) over the visible positions, 0 past them
     const int64_t vis = std::clamp<int64_t>(L - Q + r / gq + 1 - p0, 0, P);
     float* s = reinterpret_cast<float*>(&sc[r * S]);
     float* out = part + r * (d + 2);
-    v16 m16 = v16{} + ninf;                          // the visible maximum, 16 lanes at a time
-    for (int64_t p = 0; p < kChunk; p += 16) {
-      v16 x = *reinterpret_cast<v16*>(s + p);
-      x = (lane16 + static_cast<float>(p)) < static_cast<float>(vis) ? x : v16{} + ninf;
-      *reinterpret_cast<v16*>(s + p) = x;
-      m16 = x > m16 ? x : m16;
+    va mv = va{} + ninf;                             // the visible maximum, AL lanes at a time
+    for (int64_t p = 0; p < kChunk; p += AL) {
+      va x = *reinterpret_cast<va*>(s + p);
+      x = (lanes + static_cast<float>(p)) < static_cast<float>(vis) ? x : va{} + ninf;
+      *reinterpret_cast<va*>(s + p) = x;
+      mv = x > mv ? x : mv;
     }
     float mx = ninf;
-    for (int l = 0; l < 16; ++l) mx = std::max(mx, m16[l]);
-    v16 z{};
-    for (int64_t p = 0; p < kChunk; p += 16) {
-      const v16 x = *reinterpret_cast<v16*>(s + p);
-      v16 e = vis ? vexp(x - mx) : v16{};
-      e = x == ninf ? v16{} : e;
-      *reinterpret_cast<v16*>(s + p) = e;
+    for (int64_t l = 0; l < AL; ++l) mx = std::max(mx, mv[l]);
+    va z{};
+    for (int64_t p = 0; p < kChunk; p += AL) {
+      const va x = *reinterpret_cast<va*>(s + p);
+      va e = vis ? vexp_a(x - mx) : va{};
+      e = x == ninf ? va{} : e;
+      *reinterpret_cast<va*>(s + p) = e;
       z += e;
     }
     out[0] = mx;
-    out[1] = hsum(z);
+    out[1] = hsum_a(z);
   }
   const float* w = reinterpret_cast<const float*>(sc.data());
   const bool once = n > R;                 // several passes: the chunk's values widened once, for all of them
-  for (int64_t p = 0; once && p < P; ++p) widen(vc + off[p], &kv[p * C], d, C);
+  for (int64_t p = 0; once && p < P; ++p) widen_a(vc + off[p], &kv[p * C], d, C);
   auto pass = [&](auto rc, int64_t r0) {  // acc = sum_p e_p v_p for RR queries per pass over V (in registers)
     constexpr int64_t RR = decltype(rc)::value;
-    v16 acc[RR * (CC > 0 ? CC : kMaxC)] = {};
+    va acc[RR * (CC > 0 ? CC : kMaxC)] = {};
     for (int64_t p = 0; p < P; ++p) {
-      const v16* v = once ? &kv[p * C] : kv.data();
-      if (!once) widen(vc + off[p], kv.data(), d, C);
+      const va* v = once ? &kv[p * C] : kv.data();
+      if (!once) widen_a(vc + off[p], kv.data(), d, C);
       for (int64_t rr = 0; rr < RR; ++rr) {
         const float e = w[(r0 + rr) * kChunk + p];
         for (int64_t c = 0; c < C; ++c) acc[rr * C + c] += e * v[c];
@@ -401,7 +491,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   TORCH_CHECK(cache.size(3) == q.size(2) && cache.scalar_type() == q.scalar_type(), "cache and q disagree");
   const int64_t nh = q.size(1), d = q.size(2), nkv = cache.size(1), S = cache.size(2);
   TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(d <= 16 * kMaxC, "head_dim above ", 16 * kMaxC, " is not supported");
+  TORCH_CHECK(d <= kMaxD, "head_dim above ", kMaxD, " is not supported");
   auto bt = block_tables.contiguous();
   auto qsl = query_start_loc.contiguous();
   auto sl = seq_lens.contiguous();
@@ -431,8 +521,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     const scalar_t* pv = pk + cache.stride(0);
     const int64_t hs = cache.stride(1);
     scalar_t* po = out.data_ptr<scalar_t>();
-    auto* attend = d == 64    ? attend_chunk<scalar_t, 4>
-                   : d == 128 ? attend_chunk<scalar_t, 8>
+    auto* attend = d == 64    ? attend_chunk<scalar_t, 64 / AL>
+                   : d == 128 ? attend_chunk<scalar_t, 128 / AL>
                               : attend_chunk<scalar_t, 0>;
     at::parallel_for(0, first[B], 1, [&](int64_t lo, int64_t hi) {
       for (int64_t task = lo; task < hi; ++task) {
