@@ -107,66 +107,83 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::T
   return {sum, out};
 }
 
-// fp32 vectors of 16 lanes (GCC/Clang vector extensions: AVX-512 where built with it, split otherwise)
+// fp32 vectors of 16 lanes (GCC/Clang vector extensions: AVX-512 where built with it, split otherwise), and of 8
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t i16 __attribute__((vector_size(64)));
+typedef int32_t i8x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-inline float hsum(v16 a) {
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+// a vector type's lane count and integer twins (GCC drops vector_size on typedefs that depend on a template)
+template <typename V> struct Lanes;
+template <> struct Lanes<v16> { static constexpr int64_t n = 16; typedef i16 i32; typedef u16x16 u16; typedef u32x16 u32; };
+template <> struct Lanes<v8> { static constexpr int64_t n = 8; typedef i8x8 i32; typedef u16x8 u16; typedef u32x8 u32; };
+
+inline float hsum(v8 b) {
   v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+inline float hsum(v16 a) {
+  return hsum(v8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15)));
+}
+
 // e^x: Cody-Waite reduction and Cephes' expf polynomial, within ~2 ulp of std::exp; x is clamped to
 // [-87, 88] (e^-87 ~ 1.6e-38 stands for 0, callers mask what must be exactly 0)
-inline v16 vexp(v16 x) {
-  x = x < -87.f ? v16{} - 87.f : x;
-  x = x > 88.f ? v16{} + 88.f : x;
-  const v16 t = x * 1.44269504088896341f + 12582912.f;  // round(x / ln 2) in the low mantissa bits
-  const v16 n = t - 12582912.f;
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
+template <typename V>
+inline V vexp(V x) {
+  typedef typename Lanes<V>::i32 I;
+  x = x < -87.f ? V{} - 87.f : x;
+  x = x > 88.f ? V{} + 88.f : x;
+  const V t = x * 1.44269504088896341f + 12582912.f;  // round(x / ln 2) in the low mantissa bits
+  const V n = t - 12582912.f;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
-  return p * reinterpret_cast<const v16&>(e);
+  const I e = (__builtin_convertvector(n, I) + 127) << 23;
+  return p * reinterpret_cast<const V&>(e);
 }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-// 16 values from src as fp32 lanes (bf16: the 16 bits are the high half of an fp32); n < 16 zero-fills
-template <typename T>
-inline v16 load16(const T* src, int64_t n) {
+// Lanes<V>::n values from src as fp32 lanes (bf16: the 16 bits are the high half of an fp32); fewer n zero-fill
+template <typename V, typename T>
+inline V load_lanes(const T* src, int64_t n) {
+  constexpr int64_t W = Lanes<V>::n;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {  // whole vectors stay in registers (no store and reload)
-    if (n >= 16) {
-      u16x16 raw;
+    if (n >= W) {
+      typename Lanes<V>::u16 raw;
       std::memcpy(&raw, src, sizeof raw);
-      return __builtin_bit_cast(v16, __builtin_convertvector(raw, u32x16) << 16);
+      return __builtin_bit_cast(V, __builtin_convertvector(raw, typename Lanes<V>::u32) << 16);
     }
   } else if constexpr (std::is_same_v<T, float>) {
-    if (n >= 16) {
-      v16 out;
+    if (n >= W) {
+      V out;
       std::memcpy(&out, src, sizeof out);
       return out;
     }
   }
-  v16 out{};
-  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) out[i] = f32(src[i]);
+  V out{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, W); ++i) out[i] = f32(src[i]);
   return out;
 }
 
-// one head vector src [d] -> dst [C] fp32 lanes (C = d rounded up to 16, zero past d)
 template <typename T>
-inline void widen(const T* src, v16* dst, int64_t d, int64_t C, float scale = 1.f) {
-  for (int64_t c = 0; c < C; ++c) dst[c] = load16(src + 16 * c, d - 16 * c) * scale;
+inline v16 load16(const T* src, int64_t n) { return load_lanes<v16>(src, n); }
+
+// one head vector src [d] -> dst [C] fp32 vectors (C = d rounded up to the lanes, zero past d)
+template <typename V, typename T>
+inline void widen(const T* src, V* dst, int64_t d, int64_t C, float scale = 1.f) {
+  constexpr int64_t W = Lanes<V>::n;
+  for (int64_t c = 0; c < C; ++c) dst[c] = load_lanes<V>(src + W * c, d - W * c) * scale;
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
@@ -281,64 +298,7 @@ constexpr int64_t AL = 16;
 #else
 constexpr int64_t AL = 8;
 #endif
-typedef float va __attribute__((vector_size(4 * AL)));
-typedef int32_t vai __attribute__((vector_size(4 * AL)));
-typedef uint16_t vau16 __attribute__((vector_size(2 * AL)));
-typedef uint32_t vau32 __attribute__((vector_size(4 * AL)));
-
-// AL values from src as fp32 lanes (as load16); n < AL zero-fills
-template <typename T>
-inline va load_a(const T* src, int64_t n) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (n >= AL) {
-      vau16 raw;
-      std::memcpy(&raw, src, sizeof raw);
-      return __builtin_bit_cast(va, __builtin_convertvector(raw, vau32) << 16);
-    }
-  } else if constexpr (std::is_same_v<T, float>) {
-    if (n >= AL) {
-      va out;
-      std::memcpy(&out, src, sizeof out);
-      return out;
-    }
-  }
-  va out{};
-  for (int64_t i = 0; i < std::min<int64_t>(n, AL); ++i) out[i] = f32(src[i]);
-  return out;
-}
-
-// one head vector src [d] -> dst [C] fp32 vectors (C = d rounded up to AL lanes, zero past d)
-template <typename T>
-inline void widen_a(const T* src, va* dst, int64_t d, int64_t C, float scale = 1.f) {
-  for (int64_t c = 0; c < C; ++c) dst[c] = load_a(src + AL * c, d - AL * c) * scale;
-}
-
-// e^x as vexp, on attention's vectors
-inline va vexp_a(va x) {
-  x = x < -87.f ? va{} - 87.f : x;
-  x = x > 88.f ? va{} + 88.f : x;
-  const va t = x * 1.44269504088896341f + 12582912.f;
-  const va n = t - 12582912.f;
-  const va r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  va p = va{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vai e = (__builtin_convertvector(n, vai) + 127) << 23;
-  return p * reinterpret_cast<const va&>(e);
-}
-
-inline float hsum_a(va a) {
-#if defined(__AVX512F__)
-  return hsum(a);
-#else
-  const v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-#endif
-}
+typedef std::conditional_t<AL == 16, v16, v8> va;
 
 // a[AL] -> their lane sums (lane i: the sum of a[i]'s lanes), as reduce16
 inline va reduce_a(const va* a) {
@@ -394,10 +354,10 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
     if (++i == bs) i = 0, ++blk;
   }
   for (int64_t tq = 0; tq < Q; ++tq)  // query vectors, pre-scaled
-    for (int64_t g = 0; g < gq; ++g) widen_a(q + (tq * nh + h * gq + g) * d, &qf[(tq * gq + g) * C], d, C, scale);
+    for (int64_t g = 0; g < gq; ++g) widen(q + (tq * nh + h * gq + g) * d, &qf[(tq * gq + g) * C], d, C, scale);
   for (int64_t j0 = 0; j0 < P; j0 += AL) {  // scores of AL positions at a time: [AL positions] x [C] -> lanes
     for (int64_t j = 0; j < AL; ++j) {
-      if (j0 + j < P) widen_a(kc + off[j0 + j], &kv[j * C], d, C);
+      if (j0 + j < P) widen(kc + off[j0 + j], &kv[j * C], d, C);
       else std::fill(&kv[j * C], &kv[j * C] + C, va{});
     }
     for (int64_t r = 0; r < n; ++r) {
@@ -427,23 +387,23 @@ void attend_chunk(const T* q, const T* kc, const T* vc, const int64_t* table, in
     va z{};
     for (int64_t p = 0; p < kChunk; p += AL) {
       const va x = *reinterpret_cast<va*>(s + p);
-      va e = vis ? vexp_a(x - mx) : va{};
+      va e = vis ? vexp(x - mx) : va{};
       e = x == ninf ? va{} : e;
       *reinterpret_cast<va*>(s + p) = e;
       z += e;
     }
     out[0] = mx;
-    out[1] = hsum_a(z);
+    out[1] = hsum(z);
   }
   const float* w = reinterpret_cast<const float*>(sc.data());
   const bool once = n > R;                 // several passes: the chunk's values widened once, for all of them
-  for (int64_t p = 0; once && p < P; ++p) widen_a(vc + off[p], &kv[p * C], d, C);
+  for (int64_t p = 0; once && p < P; ++p) widen(vc + off[p], &kv[p * C], d, C);
   auto pass = [&](auto rc, int64_t r0) {  // acc = sum_p e_p v_p for RR queries per pass over V (in registers)
     constexpr int64_t RR = decltype(rc)::value;
     va acc[RR * (CC > 0 ? CC : kMaxC)] = {};
     for (int64_t p = 0; p < P; ++p) {
       const va* v = once ? &kv[p * C] : kv.data();
-      if (!once) widen_a(vc + off[p], kv.data(), d, C);
+      if (!once) widen(vc + off[p], kv.data(), d, C);
       for (int64_t rr = 0; rr < RR; ++rr) {
         const float e = w[(r0 + rr) * kChunk + p];
         for (int64_t c = 0; c < C; ++c) acc[rr * C + c] += e * v[c];
@@ -1216,7 +1176,6 @@ int64_t argmax_row(const float* x, int64_t V) {
 // which AVX2 holds in one register each: 6 rows x 2 accumulators + 2 weight vectors + 1 broadcast fit its 16.
 constexpr int MTB = 6;                      // rows of x per tile
 constexpr int64_t BF16_PANEL = 16;
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 at::Tensor bf16_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
