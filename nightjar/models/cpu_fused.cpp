@@ -186,6 +186,16 @@ inline void widen(const T* src, V* dst, int64_t d, int64_t C, float scale = 1.f)
   for (int64_t c = 0; c < C; ++c) dst[c] = load_lanes<V>(src + W * c, d - W * c) * scale;
 }
 
+// The machine's register width in fp32 lanes (AVX-512: 16; else 8, as AVX2 holds them): GCC keeps a 16-lane vector
+// that the CPU has no register for in memory, and attention on v16 ran ~5x slower on an AVX2 EPYC. Kernels whose
+// numbers do not depend on the width (attention, SiLU) run on va.
+#if defined(__AVX512F__)
+constexpr int64_t AL = 16;
+#else
+constexpr int64_t AL = 8;
+#endif
+typedef std::conditional_t<AL == 16, v16, v8> va;
+
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "expected a contiguous [T, 2I] tensor");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
@@ -193,12 +203,12 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
     const scalar_t* pg = gu.data_ptr<scalar_t>();
     scalar_t* po = out.data_ptr<scalar_t>();
-    const int64_t chunks = (I + 15) / 16;
+    const int64_t chunks = (I + AL - 1) / AL;
     at::parallel_for(0, T * chunks, 64, [&](int64_t lo, int64_t hi) {
       for (int64_t k = lo; k < hi; ++k) {
-        const int64_t t = k / chunks, i0 = (k % chunks) * 16, m = std::min<int64_t>(16, I - i0);
-        const v16 g = load16(pg + t * 2 * I + i0, m), u = load16(pg + t * 2 * I + I + i0, m);
-        const v16 y = g / (1.f + vexp(-g)) * u;
+        const int64_t t = k / chunks, i0 = (k % chunks) * AL, m = std::min<int64_t>(AL, I - i0);
+        const va g = load_lanes<va>(pg + t * 2 * I + i0, m), u = load_lanes<va>(pg + t * 2 * I + I + i0, m);
+        const va y = g / (1.f + vexp(-g)) * u;
         for (int64_t i = 0; i < m; ++i) po[t * I + i0 + i] = static_cast<scalar_t>(y[i]);
       }
     });
@@ -291,14 +301,6 @@ inline void by_rows(int64_t mt, Tile&& tile) {
   }
 }
 
-// Attention's vectors: AL fp32 lanes, one register of the machine (AVX-512: 16; else 8, as AVX2 holds them: GCC keeps a
-// 16-lane vector that the CPU has no register for in memory, and attention on v16 ran ~5x slower on an AVX2 EPYC).
-#if defined(__AVX512F__)
-constexpr int64_t AL = 16;
-#else
-constexpr int64_t AL = 8;
-#endif
-typedef std::conditional_t<AL == 16, v16, v8> va;
 
 // a[AL] -> their lane sums (lane i: the sum of a[i]'s lanes), as reduce16
 inline va reduce_a(const va* a) {
