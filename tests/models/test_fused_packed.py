@@ -208,3 +208,23 @@ def test_forwards_of_few_tokens_are_padded_and_compute_the_same_logits(tmp_path)
     assert calls[-1] == PACKED_MIN_ROWS
     (la, fa), (lb, fb) = outs
     assert fa.shape == (2, 2 * cfg.hidden_size) and torch.equal(fa, fb) and torch.equal(la, lb)
+
+
+def test_cpu_format_takes_onednn_where_it_has_bf16_kernels_else_bf16_panels(monkeypatch):
+    """oneDNN's layout on AVX512-bf16/AMX CPUs, 16-column panels for the fused bf16_linear elsewhere (AVX2), nothing
+    for fp32 models or off the CPU; a packed target pads its forwards only in oneDNN's layout."""
+    from nightjar.models import cpu_fused
+    from nightjar.models.cpu_linear import PANELS
+    from tests.conftest import random_model, tiny_config
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert cpu_format(torch.float32, cpu) is None and cpu_format(bf16, torch.device("meta")) is None
+    if not cpu_fused.available():
+        pytest.skip("the fused CPU ops do not build here")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert cpu_format(bf16, cpu) is PANELS and PANELS.min_rows == 0
+    model = random_model(tiny_config(vocab=96, hidden=64), seed=3, dtype=bf16).fuse_projections()
+    assert model.pack_cpu_weights() and model.gemm_min_rows == model.head_min_rows == 0
+    assert all(m.fmt is PANELS for m in model.modules() if isinstance(m, PackedLinear))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu_format(bf16, cpu) is ONEDNN
