@@ -6,10 +6,10 @@ layer's norms, rope + KV store, paged attention and SiLU·up in five calls (docs
 serve quantized models and greedy picks: ``int4_linear`` (an int4 layer up to 128 rows) and ``int4_weight_t`` (its
 longer chunks), ``int8_linear`` (the int8 LM head, and a bf16 model's int8 layers where it runs on AMX tiles; all
 three in models/quant.py) and ``argmax_rows`` (greedy picks over the vocabulary, actors/sampler.py
-``argmax_last``); two serve bf16 layers on CPUs without bf16 arithmetic (AVX2): ``bf16_panels`` packs a weight
-and ``bf16_linear`` runs it (models/cpu_linear.py ``PANELS``). ``use_amx(on)`` chooses whether ``int4_linear`` and ``int8_linear`` run bf16 inputs on AMX tiles
-where the CPU has them (the default; ``NIGHTJAR_CPU_AMX=0`` turns it off for the process) or on their vector
-kernels (benchmarks, tests).
+``argmax_last``); two serve bf16 layers on CPUs without bf16 arithmetic (AVX2): ``bf16_panels`` packs a weight and
+``bf16_linear`` runs it (models/cpu_linear.py ``PANELS``). ``use_amx(on)`` chooses whether ``int4_linear`` and
+``int8_linear`` run bf16 inputs on AMX tiles where the CPU has them (the default; ``NIGHTJAR_CPU_AMX=0`` turns it
+off for the process) or on their vector kernels (benchmarks, tests).
 
 The extension is built with the system C++ compiler through ``torch.utils.cpp_extension`` into
 ``~/.cache/nightjar/cpu_fused/<key>`` (``NIGHTJAR_CACHE`` moves ``~/.cache/nightjar``), once per source, torch

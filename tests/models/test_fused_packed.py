@@ -8,7 +8,14 @@ import torch
 
 from nightjar.kvpool.cache import KVCache
 from nightjar.models import load_draft, load_model
-from nightjar.models.cpu_linear import ONEDNN, MirroredPackedLinear, PackedLinear, cpu_format, gemm_rows, packing_available
+from nightjar.models.cpu_linear import (
+    ONEDNN,
+    MirroredPackedLinear,
+    PackedLinear,
+    cpu_format,
+    gemm_rows,
+    packing_available,
+)
 from nightjar.models.llama import build_layout
 from nightjar.models.loader import build_model, load_weights, read_safetensors_state
 from tests.models.test_llama_parity import Runner, hf_logits, save_hf_llama
