@@ -2,10 +2,11 @@
 
 Two layouts, chosen per machine by ``cpu_format``:
 
-- ``ONEDNN``, where oneDNN has bf16 kernels (AVX512-bf16 or AMX): oneDNN's blocked layout (the one torch.compile's
-  CPU "freezing" uses). ``F.linear`` on a plain bf16 weight re-reads it in row-major order every call and runs
-  well below the memory copy rate at M = 1..16 rows; packed, measured on a 2-vCPU Xeon (torch 2.13, bf16, p10 of
-  300 calls, M=1): 3072x576 207 -> 62 us, 576x1536 72 -> 28 us, the 49152x576 LM head 11.0 -> 1.3 ms.
+- ``ONEDNN``, where oneDNN has bf16 kernels (AVX-512 CPUs; native with AVX512-bf16 or AMX): oneDNN's blocked layout
+  (the one torch.compile's CPU "freezing" uses). ``F.linear`` on a plain bf16 weight re-reads it in row-major order
+  every call and runs well below the memory copy rate at M = 1..16 rows; packed, measured on a 2-vCPU Xeon (torch
+  2.13, bf16, p10 of 300 calls, M=1): 3072x576 207 -> 62 us, 576x1536 72 -> 28 us, the 49152x576 LM head 11.0 -> 1.3
+  ms.
 - ``PANELS``, on other CPUs (AVX2 only: no bf16 arithmetic) where the fused CPU ops build: panels of 16 output
   columns that ``nightjar_cpu.bf16_linear`` widens to fp32 in registers and reads once per 6 rows
   (models/cpu_fused.cpp). There torch's bf16 GEMM runs a GEMV per row; measured on a 2-vCPU AVX2 EPYC (median
@@ -88,7 +89,7 @@ def _linear():
 
 
 class OneDnnFormat:
-    """oneDNN's blocked bf16 layout (CPUs with AVX512-bf16 or AMX)."""
+    """oneDNN's blocked bf16 layout (where ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 CPUs)."""
 
     name = "oneDNN-packed"
     min_rows = PACKED_MIN_ROWS      # a target forward pads its rows up to this (LlamaModel.gemm_min_rows)
