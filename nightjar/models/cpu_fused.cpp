@@ -1219,18 +1219,6 @@ inline void panel_tile(const float* x, int64_t K, const c10::BFloat16* p, Y* y, 
   for (int m = 0; m < MT; ++m) store_panel_row(lo[m], hi[m], y + m * N + n0, std::min(BF16_PANEL, N - n0));
 }
 
-template <typename Y>
-void panel_rows(const float* x, int64_t mt, int64_t K, const c10::BFloat16* p, Y* y, int64_t N, int64_t n0) {
-  switch (mt) {
-    case 1: panel_tile<1>(x, K, p, y, N, n0); break;
-    case 2: panel_tile<2>(x, K, p, y, N, n0); break;
-    case 3: panel_tile<3>(x, K, p, y, N, n0); break;
-    case 4: panel_tile<4>(x, K, p, y, N, n0); break;
-    case 5: panel_tile<5>(x, K, p, y, N, n0); break;
-    default: panel_tile<6>(x, K, p, y, N, n0); break;
-  }
-}
-
 // x [M, K] (float or bfloat16) @ W^T, W as bf16_panels(W) with N output columns -> [M, N] in x's dtype
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
@@ -1242,22 +1230,21 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N)
   const int64_t M = x.size(0), K = x.size(1), NB = panels.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  std::vector<float> xf(M * K);                                   // x in fp32 [M, K]
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bf16_linear", [&] {
-    const scalar_t* px = x.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(px[i]);
-  });
   const c10::BFloat16* pp = panels.data_ptr<c10::BFloat16>();
   constexpr int64_t CHUNK = 8 * MTB;                              // rows whose fp32 x stays in L2 while panels pass
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "bf16_linear", [&] {
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    std::vector<float> xf(px, px + M * K);                        // x in fp32 [M, K]
     scalar_t* py = y.data_ptr<scalar_t>();
     for (int64_t c0 = 0; c0 < M; c0 += CHUNK) {
       const int64_t c1 = std::min(M, c0 + CHUNK);
       at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t b = lo; b < hi; ++b)
           for (int64_t m0 = c0; m0 < c1; m0 += MTB)
-            panel_rows(xf.data() + m0 * K, std::min<int64_t>(MTB, c1 - m0), K, pp + b * K * BF16_PANEL,
-                       py + m0 * N, N, b * BF16_PANEL);
+            by_rows<MTB>(std::min<int64_t>(MTB, c1 - m0), [&](auto r) {
+              panel_tile<decltype(r)::value>(xf.data() + m0 * K, K, pp + b * K * BF16_PANEL, py + m0 * N, N,
+                                             b * BF16_PANEL);
+            });
       });
     }
   });
