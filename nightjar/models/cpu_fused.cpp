@@ -120,8 +120,18 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // a vector type's lane count and integer twins (GCC drops vector_size on typedefs that depend on a template)
 template <typename V> struct Lanes;
-template <> struct Lanes<v16> { static constexpr int64_t n = 16; typedef i16 i32; typedef u16x16 u16; typedef u32x16 u32; };
-template <> struct Lanes<v8> { static constexpr int64_t n = 8; typedef i8x8 i32; typedef u16x8 u16; typedef u32x8 u32; };
+template <> struct Lanes<v16> {
+  static constexpr int64_t n = 16;
+  typedef i16 i32;
+  typedef u16x16 u16;
+  typedef u32x16 u32;
+};
+template <> struct Lanes<v8> {
+  static constexpr int64_t n = 8;
+  typedef i8x8 i32;
+  typedef u16x8 u16;
+  typedef u32x8 u32;
+};
 
 inline float hsum(v8 b) {
   v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
@@ -187,8 +197,9 @@ inline void widen(const T* src, V* dst, int64_t d, int64_t C, float scale = 1.f)
 }
 
 // The machine's register width in fp32 lanes (AVX-512: 16; else 8, as AVX2 holds them): GCC keeps a 16-lane vector
-// that the CPU has no register for in memory, and attention on v16 ran ~5x slower on an AVX2 EPYC. Kernels whose
-// numbers do not depend on the width (attention, SiLU) run on va.
+// that the CPU has no register for in memory, and attention on v16 ran ~5x slower on an AVX2 EPYC. Attention and SiLU
+// run on va: SiLU's numbers do not depend on the width; attention's sums are ordered by it, so an AVX-512 build and an
+// AVX2 build round differently, while within one build a query's numbers still depend only on its own row.
 #if defined(__AVX512F__)
 constexpr int64_t AL = 16;
 #else
@@ -300,7 +311,6 @@ inline void by_rows(int64_t mt, Tile&& tile) {
     default: run(std::integral_constant<int, Max>{});
   }
 }
-
 
 // a[AL] -> their lane sums (lane i: the sum of a[i]'s lanes), as reduce16
 inline va reduce_a(const va* a) {
