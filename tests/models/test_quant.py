@@ -323,18 +323,17 @@ async def test_a_mixed_draft_round_trips_offload_release_reload_exactly():
     assert torch.equal(logits_of(slot), before)
 
 
-def test_every_policy_is_greedy_exact_with_a_mixed_draft(make_engine, smol_tokenizer):
-    """A bf16 target and a mixed bf16 draft: every policy emits off's tokens, at one row and at seven."""
-    from nightjar.models.quant import mix_int8
-    from tests.test_engine import generate_with, prompts_of_mixed_length
-
+def _bf16_pair(smol_tokenizer):
     cfg = tiny_config(eos=smol_tokenizer.eos_token_ids)
     base = random_model(cfg, seed=1, dtype=torch.bfloat16).fuse_projections()
-    draft = perturbed(base, 0.02, 2)
-    if not (ONEDNN_HERE and base.pack_cpu_weights() and draft.pack_cpu_weights(mirror=True)):
-        pytest.skip("no oneDNN bf16 kernels on this CPU")
-    assert mix_int8(draft) > 0
-    target, draft = LoadedModel(base, smol_tokenizer, "tiny-bf16"), LoadedModel(draft, None, "tiny-draft-mixed")
+    return base, perturbed(base, 0.02, 2)
+
+
+def _greedy_exact_across_policies(make_engine, smol_tokenizer, base, draft) -> None:
+    """Every policy emits off's tokens with this bf16 target and draft, at one row and at seven."""
+    from tests.test_engine import generate_with, prompts_of_mixed_length
+
+    target, draft = LoadedModel(base, smol_tokenizer, "tiny-bf16"), LoadedModel(draft, None, "tiny-draft-bf16")
     prompts = prompts_of_mixed_length(smol_tokenizer, n=12)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     kw = dict(pair=(target, draft), dtype="bfloat16")
@@ -345,3 +344,25 @@ def test_every_policy_is_greedy_exact_with_a_mixed_draft(make_engine, smol_token
             assert got == ref, (policy, bs)
             if policy.startswith("fixed"):
                 assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_every_policy_is_greedy_exact_with_a_mixed_draft(make_engine, smol_tokenizer):
+    """A bf16 target and a mixed bf16 draft (oneDNN-packed layers with int8 copies)."""
+    from nightjar.models.quant import mix_int8
+
+    base, draft = _bf16_pair(smol_tokenizer)
+    if not (ONEDNN_HERE and base.pack_cpu_weights() and draft.pack_cpu_weights(mirror=True)):
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    assert mix_int8(draft) > 0
+    _greedy_exact_across_policies(make_engine, smol_tokenizer, base, draft)
+
+
+@pytest.mark.skipif(not cpu_fused.available(), reason="the fused CPU ops do not build here")
+def test_every_policy_is_greedy_exact_with_bf16_panels(make_engine, smol_tokenizer):
+    """A bf16 target and draft in 16-column panels (the layout of CPUs without oneDNN bf16 kernels, forced here so
+    that every box runs it): rows never depend on the step, so every policy emits off's tokens."""
+    from nightjar.models.cpu_linear import PANELS, pack_linears
+
+    base, draft = _bf16_pair(smol_tokenizer)
+    assert pack_linears(base, fmt=PANELS) > 0 and pack_linears(draft, mirror=True, fmt=PANELS) > 0
+    _greedy_exact_across_policies(make_engine, smol_tokenizer, base, draft)
