@@ -117,6 +117,10 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int8_t c16 __attribute__((vector_size(16)));
+typedef int8_t c8 __attribute__((vector_size(8)));
+typedef uint8_t b16 __attribute__((vector_size(16)));
+typedef uint8_t b8 __attribute__((vector_size(8)));
 
 // a vector type's lane count and integer twins (GCC drops vector_size on typedefs that depend on a template)
 template <typename V> struct Lanes;
@@ -125,12 +129,16 @@ template <> struct Lanes<v16> {
   typedef i16 i32;
   typedef u16x16 u16;
   typedef u32x16 u32;
+  typedef c16 i8;
+  typedef b16 u8;
 };
 template <> struct Lanes<v8> {
   static constexpr int64_t n = 8;
   typedef i8x8 i32;
   typedef u16x8 u16;
   typedef u32x8 u32;
+  typedef c8 i8;
+  typedef b8 u8;
 };
 
 inline float hsum(v8 b) {
@@ -185,9 +193,6 @@ inline V load_lanes(const T* src, int64_t n) {
   for (int64_t i = 0; i < std::min<int64_t>(n, W); ++i) out[i] = f32(src[i]);
   return out;
 }
-
-template <typename T>
-inline v16 load16(const T* src, int64_t n) { return load_lanes<v16>(src, n); }
 
 // one head vector src [d] -> dst [C] fp32 vectors (C = d rounded up to the lanes, zero past d)
 template <typename V, typename T>
@@ -516,35 +521,58 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   return out;
 }
 
-// 16 fp32 lanes -> bf16, round to nearest even (finite values: dequantized weights)
-inline void store16_bf16(v16 v, c10::BFloat16* dst) {
-  u32x16 u;
-  std::memcpy(&u, &v, sizeof u);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const u16x16 half = __builtin_convertvector(u, u16x16);
-  std::memcpy(dst, &half, sizeof half);
-}
-
-template <typename T>
-inline void store16(v16 v, T* dst) {
+// a vector's fp32 lanes -> dst (bf16: round to nearest even; finite values: dequantized weights, outputs)
+template <typename V, typename T>
+inline void store_lanes(V v, T* dst) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    store16_bf16(v, dst);
+    typename Lanes<V>::u32 u;
+    std::memcpy(&u, &v, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const typename Lanes<V>::u16 half = __builtin_convertvector(u, typename Lanes<V>::u16);
+    std::memcpy(dst, &half, sizeof half);
   } else if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, &v, sizeof v);
   } else {
-    for (int i = 0; i < 16; ++i) dst[i] = static_cast<T>(v[i]);
+    for (int64_t i = 0; i < Lanes<V>::n; ++i) dst[i] = static_cast<T>(v[i]);
   }
 }
 
-// torch's CPU int4 pack (_convert_weight_to_int4pack_for_cpu, inner k tiles 2) of W [n, k]: bytes [n/64, k, 32],
-// byte j of (block, column) holds row block*64 + j in its low nibble and row block*64 + 32 + j in its high one.
-// With scales_zeros [k/g, n, 2] (scale s, zero z; w = (q - 8) s + z) -> W^T [k, n] in the scales' dtype,
-// each value z - 8 s (rounded to the dtype) + q s in fp32, rounded once: what QuantLinear.weight_t computes.
+// torch's CPU int4 pack (inner k tiles 2) goes in blocks of 64 rows where torch runs its AVX-512 kernels and of 32
+// on AVX2: 4 AL rows either way, where this build's vectors have AL lanes (quant._fused_int4_layout checks that the
+// two agree before the int4 ops below serve). A block's column is 2 AL bytes; byte j holds row j in its low nibble
+// and row 2 AL + j in its high one.
+constexpr int64_t I4B = 4 * AL;
+
+// one column of a block (2 AL bytes at src) -> w[0..3]: the codes of rows [0, AL), [AL, 2 AL) (low nibbles),
+// [2 AL, 3 AL), [3 AL, 4 AL) (high) as fp32 lanes
+inline void codes_a(const uint8_t* src, va* w) {
+#if defined(__AVX512F__)
+  const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+  const __m512i m = _mm512_set1_epi32(15);
+  w[0] = (va)_mm512_cvtepi32_ps(_mm512_and_si512(a, m));
+  w[1] = (va)_mm512_cvtepi32_ps(_mm512_and_si512(b, m));
+  w[2] = (va)_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
+  w[3] = (va)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+#else
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  w[0] = (va)_mm256_cvtepi32_ps(_mm256_and_si256(a, m));
+  w[1] = (va)_mm256_cvtepi32_ps(_mm256_and_si256(b, m));
+  w[2] = (va)_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  w[3] = (va)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+#endif
+}
+
+// torch's CPU int4 pack (_convert_weight_to_int4pack_for_cpu, inner k tiles 2) of W [n, k]: bytes [n / I4B, k,
+// 2 AL] (codes_a). With scales_zeros [k/g, n, 2] (scale s, zero z; w = (q - 8) s + z) -> W^T [k, n] in the scales'
+// dtype, each value z - 8 s (rounded to the dtype) + q s in fp32, rounded once: what QuantLinear.weight_t computes.
 at::Tensor int4_weight_t(const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
   TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous(), "scales must be a contiguous [k/g, n, 2] tensor");
   const int64_t G = sz.size(0), n = sz.size(1), k = G * group;
-  TORCH_CHECK(group > 0 && n % 64 == 0 && qweight.numel() == n * k / 2, "qweight does not match the scales");
+  TORCH_CHECK(group > 0 && n % I4B == 0 && qweight.numel() == n * k / 2, "qweight does not match the scales");
   auto out = at::empty({k, n}, sz.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, sz.scalar_type(), "int4_weight_t", [&] {
     const uint8_t* pq = qweight.data_ptr<uint8_t>();
@@ -560,18 +588,12 @@ at::Tensor int4_weight_t(const at::Tensor& qweight, const at::Tensor& sz, int64_
         }
         for (int64_t c = gi * group; c < (gi + 1) * group; ++c) {
           scalar_t* row = po + c * n;
-          for (int64_t b = 0; b < n / 64; ++b) {
-            const uint8_t* src = pq + (b * k + c) * 32;
-            for (int64_t h = 0; h < 2; ++h) {
-              u16x16 raw;
-              for (int i = 0; i < 16; ++i) raw[i] = src[h * 16 + i];
-              const v16 lo4 = __builtin_convertvector(raw & 15, v16), hi4 = __builtin_convertvector(raw >> 4, v16);
-              const int64_t r0 = b * 64 + h * 16, r1 = r0 + 32;
-              v16 s0, z0, s1, z1;
-              std::memcpy(&s0, &s[r0], sizeof s0); std::memcpy(&z0, &z[r0], sizeof z0);
-              std::memcpy(&s1, &s[r1], sizeof s1); std::memcpy(&z1, &z[r1], sizeof z1);
-              store16(z0 + lo4 * s0, row + r0);
-              store16(z1 + hi4 * s1, row + r1);
+          for (int64_t b = 0; b < n / I4B; ++b) {
+            va w[4];
+            codes_a(pq + (b * k + c) * 2 * AL, w);
+            for (int r = 0; r < 4; ++r) {
+              const int64_t r0 = b * I4B + AL * r;
+              store_lanes(load_lanes<va>(&z[r0], AL) + w[r] * load_lanes<va>(&s[r0], AL), row + r0);
             }
           }
         }
@@ -621,21 +643,47 @@ bool uses_amx() {
 #endif
 }
 
-// ---- int8_linear: y = x @ (q * scale)^T, int8 weight rows with one scale each -----------------------------
-// Tiles of NT weight rows x up to MT rows of x: a weight tile is widened once into a small buffer (bf16 for the
-// AVX512-BF16 path, fp32 otherwise) that every row of x reuses; the tile's MT x NT accumulators stay in
-// registers and are summed together by reduce16. An output is the same sequence of operations whatever M,
-// the tiling or the threads: a row's numbers never depend on the step's other rows.
-constexpr int MT = 4, NT = 4;
-typedef int8_t c16 __attribute__((vector_size(16)));
+// the fp32 lanes of this build's vectors (AL): 16 with AVX-512, else 8; int4 blocks are 4 AL rows (I4B)
+int64_t lanes() { return AL; }
 
-// R rows of fp32 x (rows of C 16-lane chunks) against NT widened weight rows -> acc[R * NT] (row-major)
+// ---- int8_linear: y = x @ (q * scale)^T, int8 weight rows with one scale each -----------------------------
+// Tiles of NT weight rows x up to MT rows of x: in fp32, each tile widens the weight rows' codes as it reads them;
+// the AVX512-BF16 path widens a weight tile once into a small bf16 buffer that every row of x reuses. The tile's
+// MT x NT = AL accumulators stay in registers and are summed together by reduce_a. An output is the same sequence
+// of operations whatever M, the tiling or the threads: a row's numbers never depend on the step's other rows (the
+// sums are ordered by AL, so AVX-512 and AVX2 builds round differently).
+constexpr int NT = 4, MT = AL / NT;        // AVX-512: 4 x 4 accumulators of 16 lanes; AVX2: 2 x 4 of 8
+static_assert(MT * NT == AL, "one reduce_a sums a tile");
+
+// AL int8 codes from q as fp32 lanes; fewer n zero-fill
+inline va widen_a(const int8_t* q, int64_t n) {
+  if (n >= AL) {
+#if defined(__AVX512F__)
+    return (va)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+#else
+    return (va)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+#endif
+  }
+  va out{};
+  for (int64_t i = 0; i < n; ++i) out[i] = q[i];
+  return out;
+}
+
+// R rows of fp32 x (rows of C va chunks) against the NT weight rows at q[j] (K codes each) -> acc[R * NT]
+// (row-major)
 template <int R>
-inline void tile_f32(const v16* x, const v16* w, int64_t C, v16* acc) {
-  v16 a[R][NT] = {};
-  for (int64_t c = 0; c < C; ++c)
+inline void tile_f32(const va* x, const int8_t* const* q, int64_t K, int64_t C, va* acc) {
+  va a[R][NT] = {};
+  for (int64_t c = 0; c < C; ++c) {
+    va w[NT];
+    // the next tile's rows, a line at a time: NT interleaved streams of K bytes defeat the hardware prefetcher
+    // (an LM head of 49152 x 576 at one row took 6.0 ms without this, 2.0 with it, on an AVX2 EPYC)
+    if ((AL * c) % 64 == 0)
+      for (int j = 0; j < NT; ++j) __builtin_prefetch(q[j] + NT * K + AL * c);
+    for (int j = 0; j < NT; ++j) w[j] = widen_a(q[j] + AL * c, K - AL * c);
     for (int i = 0; i < R; ++i)
-      for (int j = 0; j < NT; ++j) a[i][j] += x[i * C + c] * w[j * C + c];
+      for (int j = 0; j < NT; ++j) a[i][j] += x[i * C + c] * w[j];
+  }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NT; ++j) acc[i * NT + j] = a[i][j];
 }
@@ -664,41 +712,29 @@ inline __m512bh widen32_bf16(const int8_t* q) {
 }
 #endif
 
-inline v16 widen16(const int8_t* q, int64_t n) {
-  if (n >= 16) {
-    c16 raw;
-    std::memcpy(&raw, q, sizeof raw);
-    return __builtin_convertvector(raw, v16);
-  }
-  v16 out{};
-  for (int64_t i = 0; i < n; ++i) out[i] = q[i];
-  return out;
-}
-
 // one NT x (up to MT) output tile: acc [MT * NT] -> y rows m0.., columns n0.. scaled by the rows' scales
 template <typename S, typename Y>
-inline void store_tile(const v16* acc, const S* sc, Y* y, int64_t m0, int64_t mt, int64_t n0, int64_t nt,
+inline void store_tile(const va* acc, const S* sc, Y* y, int64_t m0, int64_t mt, int64_t n0, int64_t nt,
                        int64_t N) {
-  const v16 sums = reduce16(acc);
+  const va sums = reduce_a(acc);
   for (int64_t i = 0; i < mt; ++i)
     for (int64_t j = 0; j < nt; ++j) y[(m0 + i) * N + n0 + j] = static_cast<Y>(sums[i * NT + j] * f32(sc[n0 + j]));
 }
 
-// The tiling both int8_linear paths share: NT weight rows widened once into w (element c of row j:
-// widen(j < nt, n0 + j, c)), then every tile of up to MT rows of x against them (tile(r, m0, w, acc)), scaled
-// and stored.
+// int8_linear_bf16's tiling: NT weight rows widened once into w (element c of row j: widen(j < nt, n0 + j, c)),
+// then every tile of up to MT rows of x against them (tile(r, m0, w, acc)), scaled and stored.
 template <typename W, typename S, typename Y, typename Widen, typename Tile>
 void int8_tiles(const S* sc, Y* y, int64_t M, int64_t N, int64_t C, Widen&& widen, Tile&& tile) {
   at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
     std::vector<W> w(NT * C);
-    v16 acc[MT * NT];
+    va acc[MT * NT];
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
       for (int64_t j = 0; j < NT; ++j)
         for (int64_t c = 0; c < C; ++c) w[j * C + c] = widen(j < nt, n0 + j, c);
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t mt = std::min<int64_t>(MT, M - m0);
-        std::fill(acc, acc + MT * NT, v16{});
+        std::fill(acc, acc + MT * NT, va{});
         by_rows<MT>(mt, [&](auto r) { tile(r, m0, w.data(), acc); });
         store_tile(acc, sc, y, m0, mt, n0, nt, N);
       }
@@ -706,14 +742,24 @@ void int8_tiles(const S* sc, Y* y, int64_t M, int64_t N, int64_t C, Widen&& wide
   });
 }
 
-// xf [M, C] fp32 chunks (rows zero-padded to C * 16)
+// xf [M, C] fp32 chunks of AL lanes (rows zero-padded to C * AL); a last tile of nt < NT weight rows reads row N - 1
+// in the missing rows' places and drops their outputs
 template <typename S, typename Y>
-void int8_linear_f32(const v16* xf, const int8_t* q, const S* sc, Y* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t C = (K + 15) / 16;
-  int8_tiles<v16>(
-      sc, y, M, N, C,
-      [&](bool ok, int64_t n, int64_t c) { return ok ? widen16(q + n * K + 16 * c, K - 16 * c) : v16{}; },
-      [&](auto r, int64_t m0, const v16* w, v16* acc) { tile_f32<decltype(r)::value>(xf + m0 * C, w, C, acc); });
+void int8_linear_f32(const va* xf, const int8_t* q, const S* sc, Y* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t C = (K + AL - 1) / AL;
+  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+    va acc[MT * NT] = {};                     // a tile of mt < MT rows leaves the last ones zero for reduce_a
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
+      const int8_t* rows[NT];
+      for (int64_t j = 0; j < NT; ++j) rows[j] = q + std::min(n0 + j, N - 1) * K;
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min<int64_t>(MT, M - m0);
+        by_rows<MT>(mt, [&](auto r) { tile_f32<decltype(r)::value>(xf + m0 * C, rows, K, C, acc); });
+        store_tile(acc, sc, y, m0, mt, n0, nt, N);
+      }
+    }
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -838,12 +884,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       return;
     }
 #endif
-    const int64_t C = (K + 15) / 16;
-    std::vector<v16> xf(M * C);                                   // x widened to fp32, rows zero-padded
+    const int64_t C = (K + AL - 1) / AL;
+    std::vector<va> xf(M * C);                                    // x widened to fp32, rows zero-padded
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {
       const scalar_t* px = x.data_ptr<scalar_t>();
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t c = 0; c < C; ++c) xf[m * C + c] = load16(px + m * K + 16 * c, K - 16 * c);
+        for (int64_t c = 0; c < C; ++c) xf[m * C + c] = load_lanes<va>(px + m * K + AL * c, K - AL * c);
     });
     int8_linear_f32(xf.data(), pq, ps, py, M, N, K);
   };
@@ -857,60 +903,97 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 }
 
 // ---- int4_linear: y = x @ W^T with W in torch's CPU int4 pack (see int4_weight_t) and group scales/zeros -----
-// One 32-byte column of a 64-row block holds that input's codes for all 64 rows, so a block is read once per
-// tile of up to MT rows of x: per group, codes (exact small integers in fp32) times x accumulate in registers,
-// then y += s * acc + (z - 8 s) * (the group's sum of x). An output is the same sequence of operations whatever
-// M, the tiling or the threads: a row's numbers never depend on the step's other rows.
-constexpr int MT4 = 6;                      // rows of x per int4 tile: 6 x 4 accumulators + 4 code vectors
+// One column of a block (2 AL bytes) holds that input's codes for all 4 AL rows, so a block is read once per tile
+// of up to MT4 rows of x: per group, codes (exact small integers in fp32) times x accumulate in registers, then
+// y += s * acc + (z - 8 s) * (the group's sum of x). An output is the same sequence of operations whatever M, the
+// tiling or the threads: a row's numbers never depend on the step's other rows.
+constexpr int MT4 = AL == 16 ? 6 : 2;      // rows of x per int4 tile: MT4 x 4 accumulators + 4 code vectors
 
-// a column's 32 bytes -> the codes of rows 0..15, 16..31 (low nibbles), 32..47, 48..63 (high) as fp32 lanes
-inline void codes64(const uint8_t* src, v16* w) {
+// AL (scale, zero) pairs at p -> s and z - 8 s as fp32 lanes
+template <typename S>
+inline void load_scales(const S* p, va& s, va& zp) {
+  const va a = load_lanes<va>(p, AL), b = load_lanes<va>(p + AL, AL);
 #if defined(__AVX512F__)
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), m = _mm256_set1_epi8(15);
-  const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
-  w[0] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)));
-  w[1] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)));
-  w[2] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)));
-  w[3] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)));
+  s = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  zp = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31) - 8.f * s;
 #else
-  for (int j = 0; j < 32; ++j) {
-    w[j / 16][j % 16] = static_cast<float>(src[j] & 15);
-    w[2 + j / 16][j % 16] = static_cast<float>(src[j] >> 4);
-  }
+  s = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+  zp = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15) - 8.f * s;
 #endif
 }
 
-// 16 (scale, zero) pairs at p -> s and z - 8 s as fp32 lanes
-template <typename S>
-inline void load_scales(const S* p, v16& s, v16& zp) {
-  const v16 a = load16(p, 16), b = load16(p + 16, 16);
-  s = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  zp = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31) - 8.f * s;
-}
+// one group's sums of x times codes (acc) into an output: y += s * acc + (z - 8 s) * (the group's sum of x); the
+// one place this is written, so that every int4 path rounds it alike
+inline void group_out(va& y, va acc, va s, float xsum, va zp) { y += acc * s + xsum * zp; }
 
-// R rows of fp32 x [R, K] (group sums xs [R, G]) against one 64-row block (bytes [K, 32]) -> y [R, 64] fp32
+// R rows of fp32 x [R, K] (group sums xs [R, G]) against one block (bytes [K, 2 AL]) -> y [R, 4 AL] fp32
 template <int R, typename S>
 inline void int4_tile(const float* x, const float* xs, const uint8_t* blk, const S* sz, int64_t K, int64_t G,
-                      int64_t g, int64_t N, v16 (*y)[4]) {
+                      int64_t g, int64_t N, va (*y)[4]) {
   for (int i = 0; i < R; ++i)
-    for (int r = 0; r < 4; ++r) y[i][r] = v16{};
+    for (int r = 0; r < 4; ++r) y[i][r] = va{};
   for (int64_t gi = 0; gi < G; ++gi) {
-    v16 acc[R][4] = {};
+    va acc[R][4] = {};
     for (int64_t c = gi * g; c < (gi + 1) * g; ++c) {
-      v16 w[4];
-      codes64(blk + c * 32, w);
+      va w[4];
+      codes_a(blk + c * 2 * AL, w);
       for (int i = 0; i < R; ++i) {
         const float xv = x[i * K + c];
         for (int r = 0; r < 4; ++r) acc[i][r] += xv * w[r];
       }
     }
     for (int r = 0; r < 4; ++r) {
-      v16 s, zp;
-      load_scales(sz + (gi * N + 16 * r) * 2, s, zp);
-      for (int i = 0; i < R; ++i) y[i][r] += acc[i][r] * s + xs[i * G + gi] * zp;
+      va s, zp;
+      load_scales(sz + (gi * N + AL * r) * 2, s, zp);
+      for (int i = 0; i < R; ++i) group_out(y[i][r], acc[i][r], s, xs[i * G + gi], zp);
     }
   }
 }
+
+#if !defined(__AVX512F__)
+// AVX2 has 16 vector registers: past 2 rows, 4 accumulators a row and the 4 code vectors no longer fit. Calls of
+// more rows decode a block's group once into fp32 columns (buf [g][4]: codes_a's vectors) that tiles of up to MT4W
+// rows then read half a block (2 accumulators a row) at a time. Each output is the same sequence of operations as
+// int4_tile's, so a row's numbers do not depend on which of the two served it.
+constexpr int MT4W = 6;
+
+// R rows of fp32 x (columns c0 .. c0 + g) against half h of a decoded group -> acc[R][2]
+template <int R>
+inline void int4_half_tile(const float* x, int64_t K, const va* buf, int64_t c0, int64_t g, int h, va (*acc)[2]) {
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = va{};
+  for (int64_t c = 0; c < g; ++c) {
+    const va w0 = buf[c * 4 + 2 * h], w1 = buf[c * 4 + 2 * h + 1];
+    for (int i = 0; i < R; ++i) {
+      const float xv = x[i * K + c0 + c];
+      acc[i][0] += xv * w0;
+      acc[i][1] += xv * w1;
+    }
+  }
+}
+
+// all M rows of fp32 x [M, K] (group sums xs [M, G]) against one block -> y [M][4] fp32 (buf: g x 4 vectors)
+template <typename S>
+void int4_block_wide(const float* x, const float* xs, const uint8_t* blk, const S* sz, int64_t M, int64_t K,
+                     int64_t G, int64_t g, int64_t N, va* buf, va (*y)[4]) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int r = 0; r < 4; ++r) y[i][r] = va{};
+  for (int64_t gi = 0; gi < G; ++gi) {
+    for (int64_t c = 0; c < g; ++c) codes_a(blk + (gi * g + c) * 2 * AL, buf + c * 4);
+    va s[4], zp[4];
+    for (int r = 0; r < 4; ++r) load_scales(sz + (gi * N + AL * r) * 2, s[r], zp[r]);
+    for (int64_t m0 = 0; m0 < M; m0 += MT4W)
+      for (int h = 0; h < 2; ++h)
+        by_rows<MT4W>(std::min<int64_t>(MT4W, M - m0), [&](auto rc) {
+          constexpr int R = decltype(rc)::value;
+          va acc[R][2];
+          int4_half_tile<R>(x + m0 * K, K, buf, gi * g, g, h, acc);
+          for (int i = 0; i < R; ++i)
+            for (int q = 0; q < 2; ++q)
+              group_out(y[m0 + i][2 * h + q], acc[i][q], s[2 * h + q], xs[(m0 + i) * G + gi], zp[2 * h + q]);
+        });
+  }
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // The same for bf16 x, two inputs per vdpbf16ps: a column pair's codes q become the bf16 numbers 128 + q (bits
@@ -1067,14 +1150,14 @@ void int4_linear_amx(const c10::BFloat16* px, const float* xs, const uint8_t* pq
     for (int64_t b = lo; b < hi; ++b) {
       int4_block_amx(x, xs, pq + b * K * 32, sz + b * 64 * 2, M, rows, K, G, g, N, bt.data(), ct.data(), yacc.data());
       for (int64_t i = 0; i < M; ++i)
-        for (int r = 0; r < 4; ++r) store16(yacc[i * 4 + r], py + i * N + b * 64 + 16 * r);
+        for (int r = 0; r < 4; ++r) store_lanes(yacc[i * 4 + r], py + i * N + b * 64 + 16 * r);
     }
     _tile_release();
   });
 }
 #endif
 
-// x [M, K] (float or bfloat16) @ W^T, W [N, K] packed (uint8 [N/64, K, 32]) with scales_zeros [K/g, N, 2]
+// x [M, K] (float or bfloat16) @ W^T, W [N, K] packed (uint8 [N / I4B, K, 2 AL]) with scales_zeros [K/g, N, 2]
 // -> [M, N] in x's dtype
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
@@ -1083,7 +1166,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous(), "scales must be a contiguous [k/g, n, 2] tensor");
   TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16, "scales must be float or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
-  TORCH_CHECK(group > 0 && G * group == K && N % 64 == 0 && qweight.numel() == N * K / 2,
+  TORCH_CHECK(group > 0 && G * group == K && N % I4B == 0 && qweight.numel() == N * K / 2,
               "qweight and scales do not match x's width and the group size");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -1116,26 +1199,41 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
         }
       }
 #endif
-      at::parallel_for(0, N / 64, 1, [&](int64_t lo, int64_t hi) {
-        v16 out[MT4][4];
+#if !defined(__AVX512F__)
+      if (M > MT4) {
+        at::parallel_for(0, N / I4B, 1, [&](int64_t lo, int64_t hi) {
+          std::vector<va> buf(group * 4), out(M * 4);
+          va (*yb)[4] = reinterpret_cast<va (*)[4]>(out.data());
+          for (int64_t b = lo; b < hi; ++b) {
+            int4_block_wide(xf.data(), xs.data(), pq + b * K * 2 * AL, ps + b * I4B * 2, M, K, G, group, N,
+                            buf.data(), yb);
+            for (int64_t i = 0; i < M; ++i)
+              for (int r = 0; r < 4; ++r) store_lanes(yb[i][r], py + i * N + b * I4B + AL * r);
+          }
+        });
+        return;
+      }
+#endif
+      at::parallel_for(0, N / I4B, 1, [&](int64_t lo, int64_t hi) {
+        va out[MT4][4];
         for (int64_t b = lo; b < hi; ++b)
           for (int64_t m0 = 0; m0 < M; m0 += MT4) {
             const int64_t mt = std::min<int64_t>(MT4, M - m0);
             by_rows<MT4>(mt, [&](auto r) {
               constexpr int R = decltype(r)::value;
-              const uint8_t* blk = pq + b * K * 32;
+              const uint8_t* blk = pq + b * K * 2 * AL;
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
                 if (dot_bf16) {
-                  int4_tile_bf16<R>(px + m0 * K, xs.data() + m0 * G, blk, ps + b * 64 * 2, K, G, group, N, out);
+                  int4_tile_bf16<R>(px + m0 * K, xs.data() + m0 * G, blk, ps + b * I4B * 2, K, G, group, N, out);
                   return;
                 }
               }
 #endif
-              int4_tile<R>(xf.data() + m0 * K, xs.data() + m0 * G, blk, ps + b * 64 * 2, K, G, group, N, out);
+              int4_tile<R>(xf.data() + m0 * K, xs.data() + m0 * G, blk, ps + b * I4B * 2, K, G, group, N, out);
             });
             for (int64_t i = 0; i < mt; ++i)
-              for (int r = 0; r < 4; ++r) store16(out[i][r], py + (m0 + i) * N + b * 64 + 16 * r);
+              for (int r = 0; r < 4; ++r) store_lanes(out[i][r], py + (m0 + i) * N + b * I4B + AL * r);
           }
       });
     };
@@ -1293,6 +1391,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("use_amx(bool on) -> bool", use_amx);           // no tensor: one kernel for every backend
   m.def("uses_amx() -> bool", uses_amx);
+  m.def("lanes() -> int", lanes);
 }
 
 TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {

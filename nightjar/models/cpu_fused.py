@@ -84,6 +84,12 @@ def uses_amx() -> bool:
     return available() and bool(torch.ops.nightjar_cpu.uses_amx())
 
 
+def lanes() -> int:
+    """The fp32 lanes of the built ops' vectors: 16 where the build has AVX-512, else 8 (0 without the ops). Their
+    int4 kernels read torch's int4 pack in blocks of 4 x lanes rows (quant.int4_block must agree)."""
+    return int(torch.ops.nightjar_cpu.lanes()) if available() else 0
+
+
 def _load() -> bool:
     if hasattr(torch.ops, "nightjar_cpu") and hasattr(torch.ops.nightjar_cpu, "rms_norm"):
         return True

@@ -114,10 +114,13 @@ class QuantLinear(nn.Module):
         path reads plain attributes (nn.Module's parameter lookup costs ~1 µs a read)."""
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-        if self.fused_int4 and self.use_fused and x.shape[0] <= FUSED_INT4_MAX_ROWS and x.dtype in _FUSED_DTYPES:
+        any_rows = self.fused_any_rows and x.dtype == torch.bfloat16
+        if (self.fused_int4 and self.use_fused and (x.shape[0] <= FUSED_INT4_MAX_ROWS or any_rows)
+                and x.dtype in _FUSED_DTYPES):
             p = self._parameters
             return _int4_linear()(x.contiguous(), p["qweight"], p["scales"], self.group_size)   # [M, out]
-        if self.fused_int8 and self.use_fused and x.shape[0] <= FUSED_INT8_MAX_ROWS and x.dtype == torch.bfloat16:
+        if (self.fused_int8 and self.use_fused and (x.shape[0] <= FUSED_INT8_MAX_ROWS or any_rows)
+                and x.dtype == torch.bfloat16):
             p = self._parameters
             return _int8_linear()(x.contiguous(), p["qweight"], p["scales"], True)       # [M, out] in x's dtype
         if x.shape[0] > PACKED_MAX_ROWS[self.mode]:
@@ -136,12 +139,17 @@ class QuantLinear(nn.Module):
         torch's kernel from 1 to 48 rows, docs/quantization.md) for inputs of up to FUSED_INT4_MAX_ROWS rows
         in a dtype it takes. ``fused_int8``: ``int8_linear`` serves a bf16 model's int8 layer up to
         FUSED_INT8_MAX_ROWS rows where it runs on AMX tiles (rows independent of the step; 2.8-4x torch's kernel
-        from 5 to 32 rows, 0.74x at one). Decided when the layer is made, moved or cast, as the model's own fused
-        ops are."""
-        self.fused_int4 = (self.mode == "int4" and self.out_features % 64 == 0 and self.qweight.device.type == "cpu"
+        from 5 to 32 rows, 0.74x at one). ``fused_any_rows``: torch has no fast bf16 GEMM here (no oneDNN bf16
+        kernels: AVX2), so the dequantized dense GEMM of long bf16 inputs would be far slower (docs/quantization.md):
+        the fused ops serve bf16 inputs of every length, and int8 layers take ``int8_linear`` (0.9-1.45x the speed
+        of torch's int8 kernel there from 1 to 48 rows). Decided when the layer is made, moved or cast, as the model's
+        own fused ops are."""
+        on_cpu = self.qweight.device.type == "cpu"
+        self.fused_int4 = (self.mode == "int4" and self.out_features % int4_block() == 0 and on_cpu
                            and self.scales.dtype in _FUSED_DTYPES and _fused_int4_layout())
-        self.fused_int8 = (self.mode == "int8" and self.qweight.device.type == "cpu" and self.in_features % 32 == 0
-                           and self.scales.dtype == torch.bfloat16 and cpu_fused.uses_amx())
+        self.fused_any_rows = on_cpu and cpu_fused.available() and not _bf16_gemm_fast()
+        self.fused_int8 = (self.mode == "int8" and on_cpu and self.scales.dtype == torch.bfloat16
+                           and ((self.in_features % 32 == 0 and cpu_fused.uses_amx()) or self.fused_any_rows))
 
     def codes(self) -> torch.Tensor:
         """The integer codes [out, in]: int8 values, or int4 values 0..15 (as uint8)."""
@@ -281,10 +289,16 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.cat((q, qt))
 
 
+@functools.cache
+def _bf16_gemm_fast() -> bool:
+    """torch's bf16 GEMM runs oneDNN's bf16 kernels here (AVX-512 CPUs); without them it runs one GEMV per row."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _fused_int4_layout() -> bool:
-    """The fused ``int4_linear`` / ``int4_weight_t`` serve: they build here and read torch's pack in blocks of 64
-    rows, which is this machine's (``int4_block``; on AVX2 torch packs 32 and its own kernel serves)."""
-    return cpu_fused.available() and int4_block() == 64
+    """The fused ``int4_linear`` / ``int4_weight_t`` serve: they build here and read torch's pack in this machine's
+    blocks (``int4_block``: 64 rows with AVX-512, 32 on AVX2, where the ops' vectors have 16 or 8 lanes)."""
+    return cpu_fused.available() and int4_block() == 4 * cpu_fused.lanes()
 
 
 def _linear_weight(m: nn.Module) -> torch.Tensor | None:

@@ -376,8 +376,8 @@ def test_int8_linear_rejects_what_it_cannot_compute(ops):
     assert ops.int8_linear(x[:0], q, s).shape == (0, 5)
 
 
-INT4_64 = pytest.mark.skipif(quant.int4_block() != 64, reason="torch packs int4 in blocks of 32 rows on this CPU "
-                             "(AVX2): the fused int4 ops read blocks of 64 and do not serve here")
+INT4_FUSED = pytest.mark.skipif(not quant._fused_int4_layout(), reason="the fused int4 ops do not build here, or read "
+                                "blocks of another size than torch packs here")
 
 
 def _int4_layer(n: int, k: int, group: int, dtype: torch.dtype):
@@ -389,7 +389,7 @@ def _int4_layer(n: int, k: int, group: int, dtype: torch.dtype):
     return layer
 
 
-@INT4_64
+@INT4_FUSED
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k, group", [(192, 576, 32), (128, 256, 64)])
 def test_int4_linear_matches_the_dequantized_weight_and_a_row_never_depends_on_the_step(ops, dtype, n, k, group):
@@ -410,7 +410,7 @@ def test_int4_linear_matches_the_dequantized_weight_and_a_row_never_depends_on_t
                                y[start:start + rows])
 
 
-@INT4_64
+@INT4_FUSED
 @pytest.mark.parametrize("amx", [True, False])
 def test_int4_linear_on_either_kernel_matches_and_keeps_rows_apart_past_one_tile(ops, amx):
     """bf16 calls run on AMX tiles where the machine has them (``use_amx``), else on the vector kernel; both match
@@ -434,7 +434,7 @@ def test_int4_linear_on_either_kernel_matches_and_keeps_rows_apart_past_one_tile
         ops.use_amx(cpu_fused.amx_enabled())
 
 
-@INT4_64
+@INT4_FUSED
 def test_int4_linear_serves_quantized_layers_and_agrees_with_torchs_kernel(ops):
     layer = _int4_layer(192, 576, 32, torch.bfloat16)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -445,10 +445,11 @@ def test_int4_linear_serves_quantized_layers_and_agrees_with_torchs_kernel(ops):
     assert (y.float() - y_torch.float()).abs().max() <= 2e-2 * y_torch.float().abs().max()
 
 
-@INT4_64
+@INT4_FUSED
 def test_a_quantized_layer_picks_its_kernel_by_rows_and_follows_a_cast(ops):
     """int4_linear serves 2-D inputs up to FUSED_INT4_MAX_ROWS rows (also past the packed kernel's 48), a 3-D
-    input through the same op, longer inputs the dense GEMM; a cast to float16 turns the op off, back on."""
+    input through the same op, longer inputs the dense GEMM (bf16 ones the op too, where torch has no bf16 GEMM);
+    a cast to float16 turns the op off, back on."""
     from nightjar.models.quant import FUSED_INT4_MAX_ROWS, cast_floats
 
     layer = _int4_layer(128, 64, 32, torch.float32)
@@ -460,6 +461,9 @@ def test_a_quantized_layer_picks_its_kernel_by_rows_and_follows_a_cast(ops):
     assert torch.equal(layer(x3), ops.int4_linear(x3.view(6, 64), layer.qweight, layer.scales, 32).view(2, 3, 128))
     long = torch.randn(FUSED_INT4_MAX_ROWS + 1, 64, generator=g)
     assert torch.equal(layer(long), layer.dense_mm(long))
+    half = _int4_layer(128, 64, 32, torch.bfloat16)                     # bf16: the op for every length where torch
+    expect = ops.int4_linear(long.bfloat16(), half.qweight, half.scales, 32)   # has no bf16 GEMM (AVX2)
+    assert torch.equal(half(long.bfloat16()), expect if half.fused_any_rows else half.dense_mm(long.bfloat16()))
     assert layer.to(torch.float16).fused_int4 is False and layer.to(torch.float32).fused_int4 is True
     assert cast_floats(layer, torch.float16).fused_int4 is False and cast_floats(layer, torch.bfloat16).fused_int4
 
@@ -476,22 +480,28 @@ def test_int4_linear_rejects_what_it_cannot_compute(ops):
     assert ops.int4_linear(x[:0], layer.qweight, layer.scales, 32).shape == (0, 64)
 
 
-def test_an_int8_layer_takes_int8_linear_on_amx_tiles_for_bf16_rows(ops):
+def test_an_int8_layer_takes_int8_linear_on_amx_tiles_or_without_a_bf16_gemm(ops):
     """Where int8_linear runs on AMX tiles, a bf16 model's int8 layer uses it (in the layer's dtype, rows
-    independent of the step) up to FUSED_INT8_MAX_ROWS rows; a mixed draft's int8 copies keep torch's kernel."""
+    independent of the step) up to FUSED_INT8_MAX_ROWS rows; where torch has no bf16 GEMM (AVX2), for every
+    row count; a mixed draft's int8 copies keep torch's kernel."""
     from nightjar.models.cpu_linear import ONEDNN, MirroredPackedLinear, cpu_format
     from nightjar.models.quant import FUSED_INT8_MAX_ROWS, QuantLinear, RowSplitLinear, mix_int8
 
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(8)) * 0.05
     layer = QuantLinear.from_weight(w, "int8").to(torch.bfloat16)
-    assert layer.fused_int8 == cpu_fused.uses_amx() and not QuantLinear.from_weight(w, "int8").fused_int8
+    assert layer.fused_any_rows == (not quant._bf16_gemm_fast())
+    assert layer.fused_int8 == (cpu_fused.uses_amx() or layer.fused_any_rows)
+    assert not QuantLinear.from_weight(w, "int8").fused_int8                   # fp32 scales: torch's kernel
     x = torch.randn(FUSED_INT8_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     y = layer(x[:FUSED_INT8_MAX_ROWS])
     assert y.dtype == torch.bfloat16
     if layer.fused_int8:
         assert torch.equal(y, ops.int8_linear(x[:FUSED_INT8_MAX_ROWS], layer.qweight, layer.scales).bfloat16())
         assert torch.equal(layer(x[3:4]), y[3:4])
-    assert torch.equal(layer(x), layer.dense_mm(x))                    # past the limit: dequantize + GEMM
+    if layer.fused_any_rows:                                            # past the limit: the op still
+        assert torch.equal(layer(x), ops.int8_linear(x, layer.qweight, layer.scales).bfloat16())
+    else:                                                               # dequantize + GEMM
+        assert torch.equal(layer(x), layer.dense_mm(x))
     if cpu_format(torch.bfloat16, torch.device("cpu")) is ONEDNN:               # a mixed draft's layers (else panels)
         model = torch.nn.Sequential(MirroredPackedLinear(torch.nn.Parameter(w.bfloat16(), requires_grad=False)))
         assert mix_int8(model) == 1 and isinstance(model[0], RowSplitLinear) and model[0].small.use_fused is False

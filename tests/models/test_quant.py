@@ -54,10 +54,12 @@ def test_int4_unpacking_inverts_the_cpu_packer():
         codes = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         assert torch.equal(quant.unpack_int4(packed, out_f, in_f).to(torch.int32), codes)
-    # torch packs blocks of 64 rows with its AVX-512 kernels, 32 on AVX2; the fused int4 ops read 64 only
+    # torch packs blocks of 64 rows with its AVX-512 kernels, 32 on AVX2; the fused int4 ops read 4 x their lanes
     assert quant.int4_block() in (32, 64)
     layer = QuantLinear.from_weight(torch.randn(64, 64, generator=g), "int4")
-    assert layer.fused_int4 == (cpu_fused.available() and quant.int4_block() == 64)
+    assert layer.fused_int4 == (cpu_fused.available() and quant.int4_block() == 4 * cpu_fused.lanes())
+    if cpu_fused.available():
+        assert cpu_fused.lanes() in (8, 16)
     assert torch.allclose(layer.weight_t(torch.float32), layer.dequantize().t(), atol=1e-6, rtol=1e-6)
 
 
