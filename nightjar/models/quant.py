@@ -16,9 +16,11 @@ The packed kernels are GEMV-shaped: their time grows about linearly in the rows 
 the activations' dtype) and runs one dense GEMM instead.
 
 Where the fused CPU ops build, an int4 layer runs ``int4_linear`` (models/cpu_fused.cpp) on the same packed
-weight up to ``FUSED_INT4_MAX_ROWS`` rows instead of torch's kernel: one decode of a 64-row block serves up to
-6 rows of x (with bf16 activations on an AVX512-BF16 CPU, two inputs per dot product; fp32 FMA otherwise), so
-its time grows far more slowly in M, and a row's outputs never depend on the step's other rows. Where the CPU
+weight up to ``FUSED_INT4_MAX_ROWS`` rows instead of torch's kernel: one decode of a block (64 rows with AVX-512,
+32 on AVX2, as torch packs them there) serves up to 6 rows of x (with bf16 activations on an AVX512-BF16 CPU, two
+inputs per dot product; fp32 FMA otherwise; on AVX2 2 rows, or past 2 rows a group decoded once for tiles of 6),
+so its time grows far more slowly in M, and a row's outputs never depend on the step's other rows. Where torch has
+no fast bf16 GEMM (no oneDNN bf16 kernels: AVX2), bf16 inputs of every length take the fused ops. Where the CPU
 has AMX and Linux grants the process its tiles, bf16 calls of every M run on them instead (a block's decoded
 codes feed tile dot products for 16 rows at a time): 0.85x the vector kernel's speed at one row, 1.8x at 5,
 3.6x at 16 (docs/benchmarks.md).
@@ -27,7 +29,8 @@ The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per 
 ``int8_linear``, whose rows never depend on the step's other rows (bf16 rows on AMX tiles where int4 layers use
 them: 0.95x the vector kernel's speed at one row, 1.8x at 5, 3.4x at 16); where that op does not build, the head
 stays in the model's dtype (docs/quantization.md has the measurements). Where ``int8_linear`` runs on AMX tiles,
-a bf16 model's int8 layers use it too, up to ``FUSED_INT8_MAX_ROWS`` rows (in place of torch's packed kernel).
+a bf16 model's int8 layers use it too, up to ``FUSED_INT8_MAX_ROWS`` rows (in place of torch's packed kernel), and
+where torch has no fast bf16 GEMM, for every row count.
 
 A draft may also be ``mixed`` (the default for a draft beside an unquantized target): its bf16 oneDNN-packed
 layers each get an int8 copy that serves calls of up to ``MIXED_MAX_ROWS`` rows (RowSplitLinear), where
