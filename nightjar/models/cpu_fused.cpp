@@ -117,10 +117,6 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef int8_t c16 __attribute__((vector_size(16)));
-typedef int8_t c8 __attribute__((vector_size(8)));
-typedef uint8_t b16 __attribute__((vector_size(16)));
-typedef uint8_t b8 __attribute__((vector_size(8)));
 
 // a vector type's lane count and integer twins (GCC drops vector_size on typedefs that depend on a template)
 template <typename V> struct Lanes;
@@ -129,16 +125,12 @@ template <> struct Lanes<v16> {
   typedef i16 i32;
   typedef u16x16 u16;
   typedef u32x16 u32;
-  typedef c16 i8;
-  typedef b16 u8;
 };
 template <> struct Lanes<v8> {
   static constexpr int64_t n = 8;
   typedef i8x8 i32;
   typedef u16x8 u16;
   typedef u32x8 u32;
-  typedef c8 i8;
-  typedef b8 u8;
 };
 
 inline float hsum(v8 b) {
