@@ -134,12 +134,18 @@ class PanelFormat:
 ONEDNN, PANELS = OneDnnFormat(), PanelFormat()
 
 
+def onednn_bf16() -> bool:
+    """oneDNN has bf16 kernels here (AVX-512 CPUs), so torch's bf16 GEMM is fast; without them it runs a GEMV a
+    row."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def cpu_format(dtype: torch.dtype, device: torch.device) -> OneDnnFormat | PanelFormat | None:
     """The packed layout a bf16 CPU model's linear layers take here (module docstring), else None (fp32, GPU, or
     neither oneDNN bf16 kernels nor the fused CPU ops)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if onednn_bf16():
         return ONEDNN
     from nightjar.models import cpu_fused
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nightjar.models import cpu_fused
+from nightjar.models import cpu_fused, cpu_linear
 
 MODES = ("none", "int8", "int4")
 MIXED_MAX_ROWS = 3         # a mixed draft's int8 copies serve calls of up to this many rows (docs/quantization.md)
@@ -150,7 +150,7 @@ class QuantLinear(nn.Module):
         on_cpu = self.qweight.device.type == "cpu"
         self.fused_int4 = (self.mode == "int4" and self.out_features % int4_block() == 0 and on_cpu
                            and self.scales.dtype in _FUSED_DTYPES and _fused_int4_layout())
-        self.fused_any_rows = on_cpu and cpu_fused.available() and not _bf16_gemm_fast()
+        self.fused_any_rows = on_cpu and cpu_fused.available() and not cpu_linear.onednn_bf16()
         self.fused_int8 = (self.mode == "int8" and on_cpu and self.scales.dtype == torch.bfloat16
                            and ((self.in_features % 32 == 0 and cpu_fused.uses_amx()) or self.fused_any_rows))
 
@@ -290,12 +290,6 @@ def unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     tail = flat[nb * k // 2:].view(k, (n - nb) // 2)                  # [k, r/2]
     qt = torch.stack((tail & 15, tail >> 4), dim=-1).reshape(k, n - nb).t()
     return torch.cat((q, qt))
-
-
-@functools.cache
-def _bf16_gemm_fast() -> bool:
-    """torch's bf16 GEMM runs oneDNN's bf16 kernels here (AVX-512 CPUs); without them it runs one GEMV per row."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _fused_int4_layout() -> bool:

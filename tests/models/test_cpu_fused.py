@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nightjar.kvpool.cache import KVCache
-from nightjar.models import build_layout, cpu_fused, quant
+from nightjar.models import build_layout, cpu_fused, cpu_linear, quant
 from nightjar.models.llama import apply_rope_signed, paged_attention, set_cpu_fused, signed_sin
 from nightjar.models.quant import quantize_model
 from tests.conftest import random_model, tiny_config
@@ -489,7 +489,7 @@ def test_an_int8_layer_takes_int8_linear_on_amx_tiles_or_without_a_bf16_gemm(ops
 
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(8)) * 0.05
     layer = QuantLinear.from_weight(w, "int8").to(torch.bfloat16)
-    assert layer.fused_any_rows == (not quant._bf16_gemm_fast())
+    assert layer.fused_any_rows == (not cpu_linear.onednn_bf16())
     assert layer.fused_int8 == (cpu_fused.uses_amx() or layer.fused_any_rows)
     assert not QuantLinear.from_weight(w, "int8").fused_int8                   # fp32 scales: torch's kernel
     x = torch.randn(FUSED_INT8_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
