@@ -713,27 +713,6 @@ inline void store_tile(const va* acc, const S* sc, Y* y, int64_t m0, int64_t mt,
     for (int64_t j = 0; j < nt; ++j) y[(m0 + i) * N + n0 + j] = static_cast<Y>(sums[i * NT + j] * f32(sc[n0 + j]));
 }
 
-// int8_linear_bf16's tiling: NT weight rows widened once into w (element c of row j: widen(j < nt, n0 + j, c)),
-// then every tile of up to MT rows of x against them (tile(r, m0, w, acc)), scaled and stored.
-template <typename W, typename S, typename Y, typename Widen, typename Tile>
-void int8_tiles(const S* sc, Y* y, int64_t M, int64_t N, int64_t C, Widen&& widen, Tile&& tile) {
-  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<W> w(NT * C);
-    va acc[MT * NT];
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
-      for (int64_t j = 0; j < NT; ++j)
-        for (int64_t c = 0; c < C; ++c) w[j * C + c] = widen(j < nt, n0 + j, c);
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int64_t mt = std::min<int64_t>(MT, M - m0);
-        std::fill(acc, acc + MT * NT, va{});
-        by_rows<MT>(mt, [&](auto r) { tile(r, m0, w.data(), acc); });
-        store_tile(acc, sc, y, m0, mt, n0, nt, N);
-      }
-    }
-  });
-}
-
 // xf [M, C] fp32 chunks of AL lanes (rows zero-padded to C * AL); a last tile of nt < NT weight rows reads row N - 1
 // in the missing rows' places and drops their outputs
 template <typename S, typename Y>
@@ -755,6 +734,27 @@ void int8_linear_f32(const va* xf, const int8_t* q, const S* sc, Y* y, int64_t M
 }
 
 #if defined(__AVX512BF16__)
+// int8_linear_bf16's tiling: NT weight rows widened once into w (element c of row j: widen(j < nt, n0 + j, c)),
+// then every tile of up to MT rows of x against them (tile(r, m0, w, acc)), scaled and stored.
+template <typename W, typename S, typename Y, typename Widen, typename Tile>
+void int8_tiles(const S* sc, Y* y, int64_t M, int64_t N, int64_t C, Widen&& widen, Tile&& tile) {
+  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<W> w(NT * C);
+    va acc[MT * NT];
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
+      for (int64_t j = 0; j < NT; ++j)
+        for (int64_t c = 0; c < C; ++c) w[j * C + c] = widen(j < nt, n0 + j, c);
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min<int64_t>(MT, M - m0);
+        std::fill(acc, acc + MT * NT, va{});
+        by_rows<MT>(mt, [&](auto r) { tile(r, m0, w.data(), acc); });
+        store_tile(acc, sc, y, m0, mt, n0, nt, N);
+      }
+    }
+  });
+}
+
 template <typename S, typename Y>
 void int8_linear_bf16(const c10::BFloat16* x, const int8_t* q, const S* sc, Y* y, int64_t M, int64_t N,
                       int64_t K) {
