@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
                     "NAME@MODE quantizes one (none, int8, int4, mixed; without: as the engine does), "
                     "e.g. default@none,default@int4")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="the target's")
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "w4a8"), help="the target's")
     ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     ap.add_argument("--categories", default="", help="only prompts of these categories (comma-separated)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the speed runs")

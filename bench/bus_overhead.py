@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     ap.add_argument("--policy", default="off")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "w4a8"))
     ap.add_argument("--compute", default="thread", help="comma-separated: thread (the default engine), serial "
                     "(--no-run-ahead), inline (--inline-compute: forwards on the event loop's thread); several are "
                     "run interleaved")

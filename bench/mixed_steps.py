@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "w4a8"))
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--cases", default=DEFAULT_CASES, help="';'-separated B:γ_1,..,γ_B (gxN repeats g N times)")

@@ -13,7 +13,7 @@ warm calls per turn) so that a noisy machine slows them alike:
   modules ``served`` with every layer's ops reached through nn.Module calls (the fused path before
           ``DecoderLayer.forward_fused``)
   unpadded  ``served`` without padding forwards of fewer than ``PACKED_MIN_ROWS`` tokens (before it)
-  int8, int4  ``served`` with ``--quantization int8|int4`` (layers quantized, the LM head an int8 copy)
+  int8, int4, w4a8  ``served`` with ``--quantization int8|int4|w4a8`` (layers quantized, the LM head an int8 copy)
   int8-bf16head, int4-bf16head  the same with the LM head left in the dtype (oneDNN-packed, as before QuantHead)
   int4-torchmm  ``int4`` with torch's packed int4 kernel in place of the fused ``int4_linear`` (as before it)
   int8-torchmm  ``int8`` with torch's packed int8 kernel in place of ``int8_linear`` on AMX tiles (as before it)
@@ -39,7 +39,7 @@ from nightjar.kvpool.cache import KVCache
 from nightjar.models import build_layout, parse_dtype, resolve_model_path
 from nightjar.models.loader import build_model, read_gguf_state, read_safetensors_state
 
-QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int8-bf16head": ("int8", False),
+QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "w4a8": ("w4a8", True), "int8-bf16head": ("int8", False),
              "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True), "int4-vector": ("int4", True),
              "int8-torchmm": ("int8", True)}
 VARIANTS = ("plain", "fused", "served", "torch", "modules", "unpadded", *QUANTIZED)

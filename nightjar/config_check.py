@@ -6,7 +6,7 @@ from nightjar.kernel.config import EngineConfig
 from nightjar.sampling import ConfigError
 
 DTYPES = ("bfloat16", "float32", "float16")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "w4a8")
 MAX_GAMMA = 16
 POSITIVE = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue",
             "persist_steps", "trace_max_bytes", "draft_tree_batch")

@@ -23,9 +23,11 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                         "by each request's own acceptance (docs/planner.md)")
     g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="largest number of draft tokens per step")
     g.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
-    g.add_argument("--quantization", default=d.quantization, choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the target's layers (CPU only; docs/quantization.md)")
-    g.add_argument("--draft-quantization", default=d.draft_quantization, choices=["none", "int8", "int4", "mixed"],
+    g.add_argument("--quantization", default=d.quantization, choices=["none", "int8", "int4", "w4a8"],
+                   help="quantization of the target's layers: weight-only int8 or int4, or w4a8 (int4 weights, "
+                   "activations rounded to int8 per group) (CPU only; docs/quantization.md)")
+    g.add_argument("--draft-quantization", default=d.draft_quantization,
+                   choices=["none", "int8", "int4", "w4a8", "mixed"],
                    help="the draft's quantization (default: as --quantization; beside an unquantized target, "
                    "mixed: int8 copies of its bf16 layers serve calls of up to 3 rows; docs/quantization.md)")
     g.add_argument("--device", default=d.device, help="cpu or cuda")

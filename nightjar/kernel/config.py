@@ -10,7 +10,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = "nightjar"
     gamma_max: int = 4
     dtype: str = "bfloat16"
-    quantization: str = "none"             # weight-only: none, int8, int4 (CPU; the target's layers)
+    quantization: str = "none"             # none; weight-only int8, int4; w4a8 (int4, int8 activations) (CPU)
     draft_quantization: str | None = None  # the draft's; None: as ``quantization``, "mixed" beside "none"
     device: str = "cpu"
     block_size: int = 16

@@ -468,6 +468,72 @@ def test_a_quantized_layer_picks_its_kernel_by_rows_and_follows_a_cast(ops):
     assert cast_floats(layer, torch.float16).fused_int4 is False and cast_floats(layer, torch.bfloat16).fused_int4
 
 
+@INT4_FUSED
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, group", [(192, 576, 32), (128, 256, 64)])
+def test_int4_linear_a8_multiplies_the_dequantized_weight_by_x_rounded_per_group(ops, dtype, n, k, group):
+    """x rounded to int8 per group (quant.round_int8_groups) times the weight the codes stand for; a row's bits
+    never depend on the call's other rows; a NaN in a group makes its row's outputs NaN."""
+    from nightjar.models.quant import round_int8_groups
+
+    layer = _int4_layer(n, k, group, dtype)
+    m = 7
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x[3, :group] = 0                                    # an all-zero group
+    y = ops.int4_linear_a8(x, layer.qweight, layer.scales, group)
+    assert y.dtype == dtype and y.shape == (m, n)
+    sz = layer.scales.double().transpose(0, 1)                                  # [n, k/g, 2]
+    w = (layer.codes().double().view(n, k // group, group) - 8) * sz[..., :1] + sz[..., 1:]
+    ref = round_int8_groups(x, group).double() @ w.view(n, k).T
+    rel = 1e-5 if dtype == torch.float32 else 2.0 ** -8     # fp32 ordering; bf16: the output's one rounding
+    assert ((y.double() - ref).abs() <= rel * ref.abs() + 1e-5 * ref.abs().max()).all()
+    exact = x.double() @ w.view(n, k).T                 # the rounding moved the result, within its bound
+    assert 0 < (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
+    for rows in range(1, 4):
+        for start in range(0, m - rows + 1, 2):
+            part = ops.int4_linear_a8(x[start:start + rows].contiguous(), layer.qweight, layer.scales, group)
+            assert torch.equal(part, y[start:start + rows])
+    x[1, 5] = float("nan")
+    y = ops.int4_linear_a8(x, layer.qweight, layer.scales, group)
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.int4_linear_a8(x.half(), layer.qweight, layer.scales, group)
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.int4_linear_a8(x, layer.qweight, layer.scales, group * 2)
+
+
+@INT4_FUSED
+def test_a_w4a8_layer_runs_int4_linear_a8_for_every_length_and_torch_where_the_op_cannot():
+    from nightjar.models.quant import FUSED_INT4_MAX_ROWS, QuantLinear, round_int8_groups
+
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(6)) * 0.05
+    layer = QuantLinear.from_weight(w, "w4a8")
+    assert layer.mode == "int4" and layer.act8 and "int8 activations" in repr(layer)
+    g = torch.Generator().manual_seed(8)
+    for m in (1, 5, FUSED_INT4_MAX_ROWS + 1):
+        x = torch.randn(m, 64, generator=g)
+        y = layer(x)
+        assert torch.equal(y, torch.ops.nightjar_cpu.int4_linear_a8(x, layer.qweight, layer.scales, 32))
+        layer.fused_int4 = False                       # a layer the op cannot serve: the same rounding in torch
+        ref = layer(x)
+        layer.fused_int4 = True
+        assert torch.allclose(ref, round_int8_groups(x, 32) @ layer.dequantize().T, rtol=1e-5, atol=1e-6)
+        assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_round_int8_groups_keeps_each_input_within_half_a_step():
+    from nightjar.models.quant import round_int8_groups
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)) * torch.tensor([1.0, 1e-3, 30.0])[:, None]
+    x[2, 32:] = 0
+    r = round_int8_groups(x, 32)
+    step = x.view(3, 2, 32).abs().amax(-1, keepdim=True) / 127                 # [3, 2, 1]
+    assert ((r - x).view(3, 2, 32).abs() <= step / 2 * 1.0001).all()
+    assert torch.equal(r[2, 32:], x[2, 32:])                                   # zeros stay zeros
+    q = (r.view(3, 2, 32) / step).nan_to_num()
+    assert torch.allclose(q, q.round(), atol=1e-3) and q.abs().max() <= 127.001
+
+
 def test_int4_linear_rejects_what_it_cannot_compute(ops):
     layer = _int4_layer(64, 64, 32, torch.float32)
     x = torch.randn(2, 64)

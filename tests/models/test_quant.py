@@ -115,7 +115,7 @@ def quantized(model, mode):
     return m
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
 def test_the_pass_replaces_every_layer_linear_and_weight_bytes_shrinks(mode):
     model = random_model(tiny_config(vocab=96, hidden=64), seed=4)
     n_linear = sum(type(m) is torch.nn.Linear for m in model.layers.modules())
@@ -175,7 +175,7 @@ async def test_a_quantized_draft_round_trips_offload_release_reload_exactly():
 POLICIES = ["off", "fixed:1", "fixed:2", "fixed:3", "fixed:4", "nightjar"]
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
 def test_every_policy_is_greedy_exact_with_a_quantized_target(make_engine, smol_tokenizer, mode):
     from tests.test_engine import generate_with, prompts_of_mixed_length
 
@@ -297,7 +297,7 @@ def test_mixed_is_a_draft_s_quantization_and_the_default_beside_an_unquantized_t
     assert draft_mode("none", None) == "mixed" and draft_mode("int4", None) == "int4"
     assert draft_mode("none", "none") == "none" and draft_mode("int8", "mixed") == "mixed"
     check_config(EngineConfig(draft_quantization="mixed"), models=False)
-    with pytest.raises(ConfigError, match="choose from none, int8, int4; got 'mixed'") as e:
+    with pytest.raises(ConfigError, match="choose from none, int8, int4, w4a8; got 'mixed'") as e:
         check_config(EngineConfig(quantization="mixed"), models=False)
     assert e.value.flag == "--quantization"
     with pytest.raises(ValueError, match="a draft's quantization"):
