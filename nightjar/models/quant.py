@@ -35,7 +35,7 @@ where torch has no fast bf16 GEMM, for every row count.
 ``w4a8`` (``--quantization w4a8``) keeps int4's weights and rounds each row of x to int8 per group of 32 inputs
 in every call, as llama.cpp does for its Q4 files on CPU, so the fused ``int4_linear_a8`` multiplies codes and x
 in integer dot products (AVX2's vpmaddubsw: 32 products an instruction) instead of decoding codes into fp32:
-0.6-0.85x ``int4_linear``'s time from 1 to 16 rows on an AVX2 EPYC. The rounding costs accuracy (docs/
+0.6-0.9x ``int4_linear``'s time from 1 to 16 rows on an AVX2 EPYC. The rounding costs accuracy (docs/
 quantization.md measures it); a layer the op cannot serve computes the same rounding in torch.
 
 A draft may also be ``mixed`` (the default for a draft beside an unquantized target): its bf16 oneDNN-packed
@@ -156,7 +156,7 @@ class QuantLinear(nn.Module):
             p = self._parameters
             return _int4_linear_a8()(x.contiguous(), p["qweight"], p["scales"], self.group_size)   # [M, out]
         xr = round_int8_groups(x, self.group_size)                                    # [M, in] fp32
-        return F.linear(xr, self.dequantize().float()).to(x.dtype)
+        return F.linear(xr, self.dequantize(torch.float32)).to(x.dtype)
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)           # .to(dtype) / .to(device) change what the fused op takes
@@ -186,14 +186,16 @@ class QuantLinear(nn.Module):
             return self.qweight
         return unpack_int4(self.qweight, self.out_features, self.in_features)
 
-    def dequantize(self) -> torch.Tensor:
-        """The weight [out, in] the kernels compute with (formed in fp32, returned in the scales' dtype)."""
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight [out, in] the kernels compute with (formed in fp32, returned in ``dtype``, by default the
+        scales' dtype)."""
+        dtype = dtype or self.scales.dtype
         if self.mode == "int8":
-            return (self.qweight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
+            return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
         n, k, g = self.out_features, self.in_features, self.group_size
         q = self.codes().view(n, k // g, g).float()                   # [out, in/g, g]
         sz = self.scales.transpose(0, 1).float()                      # [out, in/g, 2]
-        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(self.scales.dtype)
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(dtype)
 
     def dense_mm(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] -> [M, out] through the weight dequantized in x2's dtype and one GEMM (long chunks)."""
@@ -277,8 +279,8 @@ def round_int8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     [-127, 127], d = max |x| / 127 (as ``int4_linear_a8`` rounds them; llama.cpp's Q8 blocks)."""
     xg = x.float().reshape(x.shape[0], -1, group)                    # [M, in/g, g]
     amax = xg.abs().amax(dim=-1, keepdim=True).double()               # [M, in/g, 1]
-    # divisions in fp64, then rounded: fp32's correctly rounded quotient, as the op's (torch divides a float
-    # tensor by a number as a product with its reciprocal, an ulp off at times: a code off by one at a tie)
+    # divisions in fp64, then rounded: fp32's correctly rounded quotient, as the op's (torch's fp32 127 / amax came
+    # out an ulp off it for amax = 2.515625, which moved a code that lay near .5)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)).float()
     return (torch.round(xg * inv) * (amax / 127).float()).reshape(x.shape)
 

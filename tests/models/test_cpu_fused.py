@@ -517,7 +517,7 @@ def test_a_w4a8_layer_runs_int4_linear_a8_for_every_length_and_torch_where_the_o
         layer.fused_int4 = False                       # a layer the op cannot serve: the same rounding in torch
         ref = layer(x)
         layer.fused_int4 = True
-        assert torch.allclose(ref, round_int8_groups(x, 32) @ layer.dequantize().T, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(ref, round_int8_groups(x, 32) @ layer.dequantize(torch.float32).T, rtol=1e-5, atol=1e-6)
         assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
