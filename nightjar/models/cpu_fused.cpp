@@ -39,6 +39,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <limits>
 #include <tuple>
@@ -1150,17 +1151,25 @@ void int4_linear_amx(const c10::BFloat16* px, const float* xs, const uint8_t* pq
 }
 #endif
 
-// x [M, K] (float or bfloat16) @ W^T, W [N, K] packed (uint8 [N / I4B, K, 2 AL]) with scales_zeros [K/g, N, 2]
-// -> [M, N] in x's dtype
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
+// the checks int4_linear and int4_linear_a8 share (the group a multiple of `step`)
+void check_int4_args(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group,
+                     int64_t step) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float or bfloat16");
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
   TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous(), "scales must be a contiguous [k/g, n, 2] tensor");
   TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16, "scales must be float or bfloat16");
+  const int64_t K = x.size(1), G = sz.size(0), N = sz.size(1);
+  TORCH_CHECK(group > 0 && group % step == 0 && G * group == K && N % I4B == 0 && qweight.numel() == N * K / 2,
+              "qweight and scales do not match x's width and the group size",
+              step > 1 ? " (a multiple of " + std::to_string(step) + ")" : std::string());
+}
+
+// x [M, K] (float or bfloat16) @ W^T, W [N, K] packed (uint8 [N / I4B, K, 2 AL]) with scales_zeros [K/g, N, 2]
+// -> [M, N] in x's dtype
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
+  check_int4_args(x, qweight, sz, group, 1);
   const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
-  TORCH_CHECK(group > 0 && G * group == K && N % I4B == 0 && qweight.numel() == N * K / 2,
-              "qweight and scales do not match x's width and the group size");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const uint8_t* pq = qweight.data_ptr<uint8_t>();
@@ -1357,14 +1366,8 @@ inline void int4_a8_tile(const int8_t* q, const float* d, const float* xs, const
 
 // x [M, K] (float or bfloat16) @ W^T as int4_linear, x rounded to int8 per group -> [M, N] in x's dtype
 at::Tensor int4_linear_a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float or bfloat16");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
-  TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous(), "scales must be a contiguous [k/g, n, 2] tensor");
-  TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16, "scales must be float or bfloat16");
+  check_int4_args(x, qweight, sz, group, 4);
   const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
-  TORCH_CHECK(group > 0 && group % 4 == 0 && G * group == K && N % I4B == 0 && qweight.numel() == N * K / 2,
-              "qweight and scales do not match x's width and the group size (a multiple of 4)");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const uint8_t* pq = qweight.data_ptr<uint8_t>();
