@@ -1309,8 +1309,9 @@ inline void codes_quad(const uint8_t* p, __m256i* w) {
   w[3] = _mm256_and_si256(_mm256_srli_epi16(u1, 4), m);
 }
 
-// The scales of a block's rows lie N pairs apart from one group to the next: one cache line or two per group, each
-// a miss that the hardware prefetcher does not foresee. Asked for all at once, their latencies overlap.
+// The scales of a block's rows lie N pairs apart from one group to the next (on AVX2 with bf16 scales a block's are
+// 128 bytes a group), each a miss that the hardware prefetcher does not foresee. Asked for all at once (the first
+// two lines a group: all of them there), their latencies overlap.
 template <typename S>
 inline void prefetch_scales(const S* sz, int64_t G, int64_t N, int64_t r0) {
   for (int64_t gi = 0; gi < G; ++gi) {
