@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="default", help="comma-separated drafts (models, head directories or "
                     "ngram[:MIN-MAX]); a head's NAME:lookup=N sets its prompt lookup (0: off; default: the engine's); "
-                    "NAME@MODE quantizes one (none, int8, int4, mixed; without: as the engine does), "
+                    "NAME@MODE quantizes one (none, int8, int4, w4a8, mixed; without: as the engine does), "
                     "e.g. default@none,default@int4")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "w4a8"), help="the target's")

@@ -1263,8 +1263,9 @@ template <typename T>
 void quantize_rows_a8(const T* x, int64_t M, int64_t K, int64_t g, int8_t* q, float* d, float* sum) {
   const int64_t G = K / g;
   constexpr int order[4] = {0, 2, 1, 3};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t gi = 0; gi < G; ++gi) {
+  at::parallel_for(0, M * G, 64, [&](int64_t lo, int64_t hi) {   // (row, group) pairs: a long prefill's too
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t m = t / G, gi = t % G;
       const T* src = x + m * K + gi * g;
       float amax = 0.f;
       bool nan = false;
@@ -1284,6 +1285,7 @@ void quantize_rows_a8(const T* x, int64_t M, int64_t K, int64_t g, int8_t* q, fl
       d[m * G + gi] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;   // NaN in, NaN out
       sum[m * G + gi] = static_cast<float>(qsum) * d[m * G + gi];
     }
+  });
 }
 
 // half h of columns c, c + 1 (p: column c's half) -> [c | c + 1]

@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default="default")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "w4a8"],
-                   help="weight-only quantization of the target, as the engine's flag")
+                   help="quantization of the target, as the engine's flag")
     p.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "w4a8", "mixed"],
                    help="the draft's, as the engine's flag (default: as --quantization; mixed beside none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
