@@ -78,19 +78,21 @@ def run_tapped(make_engine, policy, prompts, params, pair, tap, **kw):
 
 
 def frontier_check(eng):
-    """After every draft, the head's KV holds exactly its catch-up frontier (drafted entries cut back)."""
+    """After every draft, the head's KV holds exactly its catch-up frontier (drafted entries cut back). Checked
+    as ``_propose_head`` returns: a tap on StepDrafted could run after the same compute-thread call stored the
+    step's verified features (the verifier's relay, kernel/actor.py), which moves the frontier on."""
     from nightjar.actors.draft_head import HeadDraftExecutor
-    from nightjar.kernel.messages import StepDrafted
 
     ex = next(a for a in eng.actors if isinstance(a, HeadDraftExecutor))
-    seen = []
+    seen, propose = [], ex._propose_head
 
-    def check(env):
-        if isinstance(env.msg, StepDrafted):
-            for rid, c in ex.ctx.items():
-                assert ex.alloc.num_committed(rid) <= c.fend - c.base
-            seen.append(sum(ex.alloc.num_committed(r) == c.fend - c.base for r, c in ex.ctx.items()))
-    eng.bus.add_tap(check)
+    def checked(rows, gamma):
+        got = propose(rows, gamma)
+        for rid, c in ex.ctx.items():
+            assert ex.alloc.num_committed(rid) <= c.fend - c.base
+        seen.append(sum(ex.alloc.num_committed(r) == c.fend - c.base for r, c in ex.ctx.items()))
+        return got
+    ex._propose_head = checked
     return seen
 
 
