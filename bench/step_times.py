@@ -19,6 +19,8 @@ warm calls per turn) so that a noisy machine slows them alike:
   int8-torchmm  ``int8`` with torch's packed int8 kernel in place of ``int8_linear`` on AMX tiles (as before it)
   int4-vector  ``int4`` with ``int4_linear`` and the int8 head on their AVX-512 kernels where they would run on
                AMX tiles (as before them)
+  w4a8-rowhead  ``w4a8`` with int4's LM head: x as it is, codes in row order, ``int8_linear`` (as before
+               ``int8_linear_a8``)
 With several variants the table prints each one's median and its ratio to the first.
 
 The floor is the served model's weight bytes / measured copy bandwidth (a large copy on the same device);
@@ -41,7 +43,7 @@ from nightjar.models.loader import build_model, read_gguf_state, read_safetensor
 
 QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "w4a8": ("w4a8", True), "int8-bf16head": ("int8", False),
              "int4-bf16head": ("int4", False), "int4-torchmm": ("int4", True), "int4-vector": ("int4", True),
-             "int8-torchmm": ("int8", True)}
+             "int8-torchmm": ("int8", True), "w4a8-rowhead": ("w4a8", True)}
 VARIANTS = ("plain", "fused", "served", "torch", "modules", "unpadded", *QUANTIZED)
 
 
@@ -76,6 +78,9 @@ def build_variants(spec: str, dtype: str, device: str, names: list[str]) -> dict
         if name in QUANTIZED:
             models[name] = quantized_variant(cfg, state, dtype, device, *QUANTIZED[name], name.endswith("torchmm"))
             models[name].amx = name != "int4-vector"
+            if name == "w4a8-rowhead":
+                head = models[name].lm_head
+                models[name].lm_head = type(head)(head.codes().clone(), head.scales)
             continue
         model = build_model(cfg, dict(state), parse_dtype(dtype), device, fuse=name != "plain")
         if name in ("served", "torch", "modules", "unpadded"):

@@ -35,7 +35,8 @@ where torch has no fast bf16 GEMM, for every row count.
 ``w4a8`` (``--quantization w4a8``) keeps int4's weights and rounds each row of x to int8 per group of 32 inputs
 in every call, as llama.cpp does for its Q4 files on CPU, so the fused ``int4_linear_a8`` multiplies codes and x
 in integer dot products (AVX2's vpmaddubsw: 32 products an instruction) instead of decoding codes into fp32:
-0.6-0.9x ``int4_linear``'s time from 1 to 16 rows on an AVX2 EPYC. The rounding costs accuracy (docs/
+0.6-0.9x ``int4_linear``'s time from 1 to 16 rows on an AVX2 EPYC. Its LM head rounds x the same way
+(``int8_linear_a8``, codes held in tiles of 4 rows that are read as one stream). The rounding costs accuracy (docs/
 quantization.md measures it); a layer the op cannot serve computes the same rounding in torch.
 
 A draft may also be ``mixed`` (the default for a draft beside an unquantized target): its bf16 oneDNN-packed
@@ -232,39 +233,72 @@ class QuantLinear(nn.Module):
 
 class QuantHead(nn.Module):
     """The LM head as int8 codes [V, h] with one fp32 scale per row; returns fp32 logits. A separate copy
-    when the head is tied: the embedding keeps its table for lookups."""
+    when the head is tied: the embedding keeps its table for lookups. ``act8`` (``--quantization w4a8``): x is
+    rounded to int8 per group of ``INT4_GROUP`` inputs as the layers round it, and the codes are held in tiles of
+    4 rows (``tile_int8_rows``) for ``int8_linear_a8`` (integer dot products, the tiles read as one stream)."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, act8: bool = False):
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [V, h]
+        self.out_features, self.in_features = scales.shape[0], qweight.shape[1]
+        self.act8 = act8
+        self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [V, h]; act8: tile_int8_rows's [V', h]
         self.scales = nn.Parameter(scales, requires_grad=False)     # fp32 [V] (cast_floats leaves them)
 
     @classmethod
-    def from_weight(cls, w: torch.Tensor) -> QuantHead:
-        """Symmetric int8 per row (max |w| -> 127), fp32 scales."""
+    def from_weight(cls, w: torch.Tensor, act8: bool = False) -> QuantHead:
+        """Symmetric int8 per row (max |w| -> 127), fp32 scales; ``act8`` where the rows' length is whole groups."""
         q, s = quantize_int8(w.detach().float())
-        return cls(q, s)
+        act8 = act8 and q.shape[1] % INT4_GROUP == 0
+        return cls(tile_int8_rows(q) if act8 else q, s, act8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] -> fp32 logits [..., V]."""
         x2 = x.reshape(-1, self.in_features).contiguous()             # [M, h]
-        if cpu_fused.available():
+        if cpu_fused.available() and self.act8:
+            y = torch.ops.nightjar_cpu.int8_linear_a8.default(x2, self.qweight, self.scales, INT4_GROUP)
+        elif cpu_fused.available():
             y = torch.ops.nightjar_cpu.int8_linear.default(x2, self.qweight, self.scales)
         else:                                                          # the op went away after loading: slow
-            y = F.linear(x2.float(), self.dequantize())
+            xr = round_int8_groups(x2, INT4_GROUP) if self.act8 else x2.float()   # [M, h] fp32
+            y = F.linear(xr, self.dequantize())
         return y.view(*x.shape[:-1], self.out_features)
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [V, h] in row order."""
+        return untile_int8_rows(self.qweight, self.out_features) if self.act8 else self.qweight
 
     def dequantize(self) -> torch.Tensor:
         """The weight [V, h] in fp32."""
-        return self.qweight.float() * self.scales.float()[:, None]
+        return self.codes().float() * self.scales.float()[:, None]
 
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in (self.qweight, self.scales))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        a = ", int8 activations" if self.act8 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8{a}"
+
+
+HEAD_TILE = 4   # rows per tile of an act8 head's codes (NT in models/cpu_fused.cpp)
+
+
+def tile_int8_rows(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K % 32 == 0) -> [N', K], N' = N rounded up to HEAD_TILE (zero rows past N): in each
+    tile of HEAD_TILE rows, the rows' 32-input chunks alternate (chunk c of row j at c * 4 * 32 + j * 32 in the
+    tile), the layout ``int8_linear_a8`` reads."""
+    n, k = q.shape
+    pad = -n % HEAD_TILE
+    q = torch.cat((q, q.new_zeros(pad, k))) if pad else q
+    t = q.view(-1, HEAD_TILE, k // 32, 32).transpose(1, 2)                       # [N'/4, K/32, 4, 32]
+    return t.contiguous().view(-1, k)
+
+
+def untile_int8_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``tile_int8_rows``'s inverse: [N', K] -> the first n rows [n, K]."""
+    k = t.shape[1]
+    return t.view(-1, k // 32, HEAD_TILE, 32).transpose(1, 2).reshape(-1, k)[:n]
+
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> int8 codes [out, in], per-row scales [out] (symmetric, max |w| -> 127)."""
@@ -366,7 +400,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP, he
     for name, w in swaps:
         root.set_submodule(name, QuantLinear.from_weight(w, mode, group_size))
     if head and cpu_fused.available() and (w := _linear_weight(model.lm_head)) is not None:
-        model.lm_head = QuantHead.from_weight(w)
+        model.lm_head = QuantHead.from_weight(w, act8=mode == "w4a8")
     return len(swaps)
 
 

@@ -376,6 +376,72 @@ def test_int8_linear_rejects_what_it_cannot_compute(ops):
     assert ops.int8_linear(x[:0], q, s).shape == (0, 5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, group", [(576, 32), (128, 64)])
+def test_int8_linear_a8_multiplies_the_int8_weight_by_x_rounded_per_group(ops, dtype, k, group):
+    """x rounded to int8 per group (quant.round_int8_groups) times the dequantized int8 rows (held in tiles of 4)
+    in fp32; a row's bits never depend on the call's other rows (every tile shape); a NaN in x makes its row NaN;
+    bad arguments fail."""
+    from nightjar.models.quant import round_int8_groups, tile_int8_rows, untile_int8_rows
+
+    g = torch.Generator().manual_seed(5)
+    n, m = 203, 7                                       # neither a multiple of the 4-row weight tile
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    qt = tile_int8_rows(q)
+    assert qt.shape == (204, k) and torch.equal(untile_int8_rows(qt, n), q) and not untile_int8_rows(qt, 204)[n:].any()
+    flat = qt.view(-1)                                  # a tile: chunk c of row j at c * 128 + j * 32
+    assert torch.equal(flat[32:64], q[1, :32]) and torch.equal(flat[128:160], q[0, 32:64])
+    s = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=g).to(dtype)
+    x[2, :group] = 0                                    # an all-zero group
+    y = ops.int8_linear_a8(x, qt, s, group)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    w = q.double() * s.double()[:, None]                                        # [n, k]
+    ref = round_int8_groups(x, group).double() @ w.T
+    assert ((y.double() - ref).abs() <= 1e-5 * ref.abs() + 1e-6 * ref.abs().max()).all()
+    exact = x.double() @ w.T                            # the rounding moved the result, within its bound
+    assert 0 < (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
+    for rows in range(1, 4):
+        for start in range(0, m - rows + 1, 2):
+            part = ops.int8_linear_a8(x[start:start + rows].contiguous(), qt, s, group)
+            assert torch.equal(part, y[start:start + rows])
+    x[1, 7] = float("nan")
+    y = ops.int8_linear_a8(x, qt, s, group)
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.int8_linear_a8(x.half(), qt, s, group)
+    with pytest.raises(RuntimeError, match="group must be"):
+        ops.int8_linear_a8(x, qt, s, 48)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.int8_linear_a8(x, qt, s.bfloat16(), group)
+    with pytest.raises(RuntimeError, match="rounded up to 4"):
+        ops.int8_linear_a8(x, q, s, group)                                      # rows not in tiles of 4
+    assert ops.int8_linear_a8(x[:0], qt, s, group).shape == (0, n)
+
+
+def test_a_w4a8_models_lm_head_rounds_x_as_its_layers_do(ops, monkeypatch):
+    """quantize_model(w4a8) gives the LM head int8 activations (int8_linear_a8, codes in tiles of 4 rows); int4's
+    head keeps x as it is and its codes in row order; without the op the head computes the same rounding in torch."""
+    from nightjar.models.quant import QuantHead, quantize_int8, quantize_model, round_int8_groups
+
+    model = random_model(tiny_config(vocab=98, hidden=64), seed=3)                 # 98 rows: a part tile
+    w = model.lm_head.weight.detach().clone()
+    quantize_model(model, "w4a8")
+    head = model.lm_head
+    assert isinstance(head, QuantHead) and head.act8 and "int8 activations" in repr(head)
+    assert head.qweight.shape == (100, 64) and torch.equal(head.codes(), quantize_int8(w)[0])
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
+    y = head(x)
+    assert y.shape == (2, 3, 98) and torch.equal(y.view(6, 98), ops.int8_linear_a8(x.view(6, 64), head.qweight,
+                                                                                      head.scales, 32))
+    ref = round_int8_groups(x.view(6, 64), 32) @ head.dequantize().T
+    assert (y.view(6, 98) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    monkeypatch.setattr(cpu_fused, "available", lambda: False)
+    assert torch.allclose(head(x).view(6, 98), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    plain = QuantHead.from_weight(w)
+    assert not plain.act8 and torch.equal(plain.codes(), plain.qweight) and plain.qweight.shape == (98, 64)
+
+
 INT4_FUSED = pytest.mark.skipif(not quant._fused_int4_layout(), reason="the fused int4 ops do not build here, or read "
                                 "blocks of another size than torch packs here")
 
