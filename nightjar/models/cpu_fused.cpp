@@ -13,7 +13,9 @@
 //   argmax_rows     x [N, V] fp32 -> argmax [N] int64 as torch.argmax (greedy verification over the vocabulary)
 //   int8_linear     x [M, K] @ (int8 q [N, K] * scales [N])^T -> [M, N] fp32 or x's dtype (an int8 LM head or layer)
 //   int4_linear     x [M, K] @ W^T, W in torch's int4 pack + group scales -> [M, N] (an int4 layer's short calls)
-//   int4_linear_a8  the same with x rounded to int8 per group (--quantization w4a8: integer dot products)
+//   int4_linear_a8  the same with x rounded to int8 per group (--quantization w4a8: integer dot products), the
+//                   codes in int4_a8_pack's order
+//   int4_a8_pack    torch's int4 pack -> the same bytes in the order int4_linear_a8 reads
 //   int8_linear_a8  int8_linear with x rounded to int8 per group, q in tiles of 4 rows -> [M, N] fp32 (a w4a8
 //                   model's LM head)
 //   bf16_panels     bf16 W [N, K] -> panels of 16 output columns (a bf16 layer on a CPU without bf16 arithmetic)
@@ -1303,20 +1305,53 @@ inline __m256i half_cols(const uint8_t* p) {
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * AL)), 1);
 }
 
-// half h of columns c .. c + 3 (p: column c's half) -> w[k], 8 rows each: rows 16 h + 8 k (k < 2, low nibbles) and
-// 2 AL + 16 h + 8 (k - 2) (high) onwards, a row's 4 codes in bytes ordered (c, c + 2, c + 1, c + 3)
-inline void codes_quad(const uint8_t* p, __m256i* w) {
+// half h of columns c .. c + 3 (p: column c's half) -> u[0], u[1]: 8 rows' bytes each (low nibbles rows 16 h + 8 k,
+// high nibbles rows 2 AL + 16 h + 8 k onwards, k = 0, 1), a row's 4 bytes ordered (c, c + 2, c + 1, c + 3)
+inline void quad_bytes(const uint8_t* p, __m256i* u) {
   const __m256i a = half_cols(p), b = half_cols(p + 4 * AL);   // [c | c + 1], [c + 2 | c + 3]
   const __m256i pairs = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
                                          0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
   // unpack: (c, c + 2) per row in the low lane, (c + 1, c + 3) in the high; the permute and shuffle join a row's 4
-  const __m256i u0 = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpacklo_epi8(a, b), 0xD8), pairs);
-  const __m256i u1 = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpackhi_epi8(a, b), 0xD8), pairs);
+  u[0] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpacklo_epi8(a, b), 0xD8), pairs);
+  u[1] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpackhi_epi8(a, b), 0xD8), pairs);
+}
+
+// A w4a8 layer's codes are stored as quad_bytes leaves them (int4_a8_pack): per quad of columns of a block, for each
+// half h, u[0] and u[1] at 64 h and 64 h + 32 (the quad's 8 AL bytes permuted), so the kernel's inner loop reads
+// them as they are instead of transposing torch's columns; its scales [G, N, 2] keep their places per 8 rows but
+// hold the 8 scales, then the 8 zeros (quant.QuantLinear.from_weight), so that no shuffle takes them apart.
+
+// the 64 bytes of half h of a quad in int4_a8_pack's order (u: their start) -> w[k], 8 rows each: rows 16 h + 8 k
+// (k < 2, low nibbles) and 2 AL + 16 h + 8 (k - 2) (high) onwards, a row's 4 codes ordered (c, c + 2, c + 1, c + 3)
+inline void codes_quad(const uint8_t* u, __m256i* w) {
+  const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
+  const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32));
   const __m256i m = _mm256_set1_epi8(15);
   w[0] = _mm256_and_si256(u0, m);
   w[1] = _mm256_and_si256(u1, m);
   w[2] = _mm256_and_si256(_mm256_srli_epi16(u0, 4), m);
   w[3] = _mm256_and_si256(_mm256_srli_epi16(u1, 4), m);
+}
+
+// torch's int4 pack [N, K / 2] -> the same bytes in int4_linear_a8's order (above)
+at::Tensor int4_a8_pack(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "qweight must be a contiguous uint8 [N, K / 2] tensor");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
+  TORCH_CHECK(N % I4B == 0 && K % 4 == 0, "int4_a8_pack needs whole blocks of rows and quads of columns");
+  auto out = at::empty_like(qweight);
+  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N * K / (4 * I4B), 64, [&](int64_t lo, int64_t hi) {   // quads: 8 AL bytes each
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t h = 0; h < AL / 8; ++h) {
+        __m256i u[2];
+        quad_bytes(src + t * 8 * AL + 16 * h, u);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * 8 * AL + 64 * h), u[0]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * 8 * AL + 64 * h + 32), u[1]);
+      }
+  });
+  return out;
 }
 
 // The scales of a block's rows lie N pairs apart from one group to the next (on AVX2 with bf16 scales a block's are
@@ -1331,20 +1366,27 @@ inline void prefetch_scales(const S* sz, int64_t G, int64_t N, int64_t r0) {
   }
 }
 
+// 8 rows' (scale, zero) of one group in int4_a8_pack's order (p: the rows' first; 8 scales, then 8 zeros) -> s and
+// zp = z - 8 s
+template <typename S>
+inline void load_scales_a8(const S* p, v8& s, v8& zp) {
+  s = load_lanes<v8>(p, 8);
+  zp = load_lanes<v8>(p + 8, 8) - 8.f * s;
+}
+
 // one group's integer sums into an output: y += (s d) * acc + (z - 8 s) * (the group's sum of the rounded x)
 inline void group_out_a8(v8& y, __m256i acc, v8 s, float d, float xsum, v8 zp) {
   y += __builtin_convertvector((i8x8)acc, v8) * (s * d) + xsum * zp;
 }
 
-// R rows of x (q [R, K], d and sums [R, G]) against half h of a block (half: column 0's half, r0: its first row)
-// -> y [R][4] (rows as codes_quad's w)
+// R rows of x (q [R, K], d and sums [R, G]) against half h of a block in int4_a8_pack's order (half: the block's
+// start + 64 h, r0: the half's first row) -> y [R][4] (rows as codes_quad's w)
 template <int R, typename S>
 inline void int4_a8_tile(const int8_t* q, const float* d, const float* xs, const uint8_t* half, const S* sz,
                          int64_t K, int64_t G, int64_t g, int64_t N, int64_t r0, v8 (*y)[4]) {
   const __m256i ones = _mm256_set1_epi16(1);
   prefetch_scales(sz, G, N, r0);
-  for (int i = 0; i < R; ++i)
-    for (int k = 0; k < 4; ++k) y[i][k] = v8{};
+  v8 yl[R][4] = {};          // in registers: y is the caller's memory, which each group would store to
   for (int64_t gi = 0; gi < G; ++gi) {
     __m256i acc[R][4];
     for (int i = 0; i < R; ++i)
@@ -1356,7 +1398,7 @@ inline void int4_a8_tile(const int8_t* q, const float* d, const float* xs, const
       for (int64_t c = c0; c < std::min(c0 + 4 * A8_QUADS, (gi + 1) * g); c += 4) {
         __m256i w[4];
         __builtin_prefetch(half + (c + A8_AHEAD) * 2 * AL);   // near a block's end: the next block's start
-        codes_quad(half + c * 2 * AL, w);
+        codes_quad(half + c * 2 * AL, w);                      // c % 4 == 0: the quad's bytes start there
         for (int i = 0; i < R; ++i) {
           int32_t quad;
           std::memcpy(&quad, q + i * K + c, 4);
@@ -1369,13 +1411,16 @@ inline void int4_a8_tile(const int8_t* q, const float* d, const float* xs, const
     }
     for (int k = 0; k < 4; ++k) {
       v8 s, zp;
-      load_scales(sz + (gi * N + r0 + (k < 2 ? 8 * k : 2 * AL + 8 * (k - 2))) * 2, s, zp);
-      for (int i = 0; i < R; ++i) group_out_a8(y[i][k], acc[i][k], s, d[i * G + gi], xs[i * G + gi], zp);
+      load_scales_a8(sz + (gi * N + r0 + (k < 2 ? 8 * k : 2 * AL + 8 * (k - 2))) * 2, s, zp);
+      for (int i = 0; i < R; ++i) group_out_a8(yl[i][k], acc[i][k], s, d[i * G + gi], xs[i * G + gi], zp);
     }
   }
+  for (int i = 0; i < R; ++i)
+    for (int k = 0; k < 4; ++k) y[i][k] = yl[i][k];
 }
 
-// x [M, K] (float or bfloat16) @ W^T as int4_linear, x rounded to int8 per group -> [M, N] in x's dtype
+// x [M, K] (float or bfloat16) @ W^T as int4_linear, x rounded to int8 per group -> [M, N] in x's dtype; qweight in
+// int4_a8_pack's order, each 8 rows' scales before their zeros
 at::Tensor int4_linear_a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& sz, int64_t group) {
   check_int4_args(x, qweight, sz, group, 4);
   const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
@@ -1393,7 +1438,7 @@ at::Tensor int4_linear_a8(const at::Tensor& x, const at::Tensor& qweight, const 
         v8 out[MTA][4];
         for (int64_t u = lo; u < hi; ++u) {
           const int64_t b = u / halves, h = u % halves, r0 = b * I4B + 16 * h;
-          const uint8_t* half = pq + b * K * 2 * AL + 16 * h;
+          const uint8_t* half = pq + b * K * 2 * AL + 64 * h;
           for (int64_t m0 = 0; m0 < M; m0 += MTA) {
             const int64_t mt = std::min<int64_t>(MTA, M - m0);
             by_rows<MTA>(mt, [&](auto rc) {
@@ -1647,6 +1692,7 @@ TORCH_LIBRARY(nightjar_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("int4_linear_a8(Tensor x, Tensor qweight, Tensor scales_zeros, int group) -> Tensor");
   m.def("int8_linear_a8(Tensor x, Tensor q, Tensor scales, int group) -> Tensor");
+  m.def("int4_a8_pack(Tensor qweight) -> Tensor");
   m.def("use_amx(bool on) -> bool", use_amx);           // no tensor: one kernel for every backend
   m.def("uses_amx() -> bool", uses_amx);
   m.def("lanes() -> int", lanes);
@@ -1666,4 +1712,5 @@ TORCH_LIBRARY_IMPL(nightjar_cpu, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("int4_linear_a8", int4_linear_a8);
   m.impl("int8_linear_a8", int8_linear_a8);
+  m.impl("int4_a8_pack", int4_a8_pack);
 }

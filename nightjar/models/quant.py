@@ -104,10 +104,12 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, mode: str, in_features: int, out_features: int, qweight: torch.Tensor,
-                 scales: torch.Tensor, group_size: int = 0, act8: bool = False):
+                 scales: torch.Tensor, group_size: int = 0, act8: bool = False, a8_layout: bool = False):
         super().__init__()
         self.mode, self.in_features, self.out_features, self.group_size = mode, in_features, out_features, group_size
         self.act8 = act8 and mode == "int4"
+        self.a8_layout = a8_layout and self.act8    # as int4_linear_a8 reads them: qweight in int4_a8_pack's order,
+        #                                             scales per 8 rows: 8 scales, then 8 zeros
         self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [out, in] | uint8 [out, in/2]
         self.scales = nn.Parameter(scales, requires_grad=False)     # [out] | [in/group, out, 2] (scale, zero)
         self._select_kernel()
@@ -122,7 +124,11 @@ class QuantLinear(nn.Module):
         if mode in ("int4", "w4a8"):
             codes, sz = quantize_int4(w, group_size)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), _INNER_K_TILES)
-            return cls("int4", in_f, out_f, packed, sz, group_size, act8=mode == "w4a8")
+            a8 = mode == "w4a8" and _fused_int4_layout() and out_f % int4_block() == 0
+            if a8:
+                packed = torch.ops.nightjar_cpu.int4_a8_pack(packed)
+                sz = sz.view(-1, out_f // 8, 8, 2).transpose(2, 3).contiguous().view(sz.shape)   # 8 s, then 8 z
+            return cls("int4", in_f, out_f, packed, sz, group_size, act8=mode == "w4a8", a8_layout=a8)
         raise ValueError(f"unknown quantization {mode!r}; use one of {MODES}")
 
     use_fused = True        # False: torch's packed kernels even where int4_linear / int8_linear could serve
@@ -153,7 +159,7 @@ class QuantLinear(nn.Module):
         """x [M, in] rounded to int8 per group, times the dequantized weight -> [M, out] in x's dtype: on the fused
         op (integer dot products) where it serves, else through ``round_int8_groups`` and a dense product (the same
         numbers up to fp32 rounding: odd layer sizes, a machine without the op)."""
-        if self.fused_int4 and x.dtype in _FUSED_DTYPES:
+        if self.fused_int4 and self.a8_layout and x.dtype in _FUSED_DTYPES:
             p = self._parameters
             return _int4_linear_a8()(x.contiguous(), p["qweight"], p["scales"], self.group_size)   # [M, out]
         xr = round_int8_groups(x, self.group_size)                                    # [M, in] fp32
@@ -185,7 +191,21 @@ class QuantLinear(nn.Module):
         """The integer codes [out, in]: int8 values, or int4 values 0..15 (as uint8)."""
         if self.mode == "int8":
             return self.qweight
-        return unpack_int4(self.qweight, self.out_features, self.in_features)
+        return unpack_int4(self.torch_packed(), self.out_features, self.in_features)
+
+    def torch_scales(self) -> torch.Tensor:
+        """An int4 layer's scales [in/g, out, 2] as torch's kernel reads them, (scale, zero) pairs."""
+        if not self.a8_layout:
+            return self.scales
+        sz = self.scales
+        return sz.view(sz.shape[0], -1, 2, 8).transpose(2, 3).contiguous().view(sz.shape)
+
+    def torch_packed(self) -> torch.Tensor:
+        """An int4 layer's codes in torch's pack (``qweight`` itself unless it is in int4_a8_pack's order)."""
+        if not self.a8_layout:
+            return self.qweight
+        perm = _a8_pack_order()                                         # [quad bytes]
+        return self.qweight.view(-1, perm.numel())[:, perm.argsort()].view(self.qweight.shape)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight [out, in] the kernels compute with (formed in fp32, returned in ``dtype``, by default the
@@ -195,7 +215,7 @@ class QuantLinear(nn.Module):
             return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
         n, k, g = self.out_features, self.in_features, self.group_size
         q = self.codes().view(n, k // g, g).float()                   # [out, in/g, g]
-        sz = self.scales.transpose(0, 1).float()                      # [out, in/g, 2]
+        sz = self.torch_scales().transpose(0, 1).float()              # [out, in/g, 2]
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k).to(dtype)
 
     def dense_mm(self, x2: torch.Tensor) -> torch.Tensor:
@@ -209,7 +229,7 @@ class QuantLinear(nn.Module):
         """int4 W^T [in, out] in ``dtype``, contiguous: the packed rows (blocks of B = ``int4_block()``: byte j holds
         rows j and j + B/2) unpack into W^T without a transposing copy; w = q * s + (z - 8 s) in one fused op."""
         n, k, g, bn = self.out_features, self.in_features, self.group_size, int4_block()
-        if n % bn:
+        if n % bn or self.a8_layout:
             return self.dequantize().to(dtype).t().contiguous()
         if self.qweight.device.type == "cpu" and self.scales.dtype == dtype and _fused_int4_layout():
             # the same numbers in one pass instead of the six torch ops below (~4x faster)
@@ -370,6 +390,15 @@ def _fused_int4_layout() -> bool:
     """The fused ``int4_linear`` / ``int4_weight_t`` serve: they build here and read torch's pack in this machine's
     blocks (``int4_block``: 64 rows with AVX-512, 32 on AVX2, where the ops' vectors have 16 or 8 lanes)."""
     return cpu_fused.available() and int4_block() == 4 * cpu_fused.lanes()
+
+
+@functools.cache
+def _a8_pack_order() -> torch.Tensor:
+    """Where int4_a8_pack takes each byte of a quad of columns of a block from: out[i] = in[order[i]]
+    ([2 int4_block()] bytes)."""
+    n = int4_block()                                                    # one block of rows, 4 columns: 2 n bytes
+    ident = torch.arange(2 * n, dtype=torch.uint8).view(n, 2)
+    return torch.ops.nightjar_cpu.int4_a8_pack(ident).flatten().long()
 
 
 def _linear_weight(m: nn.Module) -> torch.Tensor | None:

@@ -543,10 +543,14 @@ def test_int4_linear_a8_multiplies_the_dequantized_weight_by_x_rounded_per_group
     from nightjar.models.quant import round_int8_groups
 
     layer = _int4_layer(n, k, group, dtype)
+    qa8 = ops.int4_a8_pack(layer.qweight)               # the same bytes in the order the op reads
+    sa8 = layer.scales.view(k // group, n // 8, 8, 2).transpose(2, 3).contiguous().view(layer.scales.shape)
+    assert qa8.shape == layer.qweight.shape and torch.equal(qa8.flatten().sort().values,
+                                                            layer.qweight.flatten().sort().values)
     m = 7
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(dtype)
     x[3, :group] = 0                                    # an all-zero group
-    y = ops.int4_linear_a8(x, layer.qweight, layer.scales, group)
+    y = ops.int4_linear_a8(x, qa8, sa8, group)
     assert y.dtype == dtype and y.shape == (m, n)
     sz = layer.scales.double().transpose(0, 1)                                  # [n, k/g, 2]
     w = (layer.codes().double().view(n, k // group, group) - 8) * sz[..., :1] + sz[..., 1:]
@@ -557,15 +561,15 @@ def test_int4_linear_a8_multiplies_the_dequantized_weight_by_x_rounded_per_group
     assert 0 < (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
     for rows in range(1, 4):
         for start in range(0, m - rows + 1, 2):
-            part = ops.int4_linear_a8(x[start:start + rows].contiguous(), layer.qweight, layer.scales, group)
+            part = ops.int4_linear_a8(x[start:start + rows].contiguous(), qa8, sa8, group)
             assert torch.equal(part, y[start:start + rows])
     x[1, 5] = float("nan")
-    y = ops.int4_linear_a8(x, layer.qweight, layer.scales, group)
+    y = ops.int4_linear_a8(x, qa8, sa8, group)
     assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
     with pytest.raises(RuntimeError, match="x must be"):
-        ops.int4_linear_a8(x.half(), layer.qweight, layer.scales, group)
+        ops.int4_linear_a8(x.half(), qa8, sa8, group)
     with pytest.raises(RuntimeError, match="do not match"):
-        ops.int4_linear_a8(x, layer.qweight, layer.scales, group * 2)
+        ops.int4_linear_a8(x, qa8, sa8, group * 2)
 
 
 @INT4_FUSED
@@ -575,6 +579,14 @@ def test_a_w4a8_layer_runs_int4_linear_a8_for_every_length_and_torch_where_the_o
     w = torch.randn(128, 64, generator=torch.Generator().manual_seed(6)) * 0.05
     layer = QuantLinear.from_weight(w, "w4a8")
     assert layer.mode == "int4" and layer.act8 and "int8 activations" in repr(layer)
+    int4 = QuantLinear.from_weight(w, "int4")                      # the codes are int4's, in the op's order
+    assert layer.a8_layout and not torch.equal(layer.qweight, int4.qweight)
+    assert torch.equal(layer.torch_packed(), int4.qweight) and torch.equal(layer.codes(), int4.codes())
+    chunk = layer.scales[0, :8].flatten()                         # 8 rows: their 8 scales, then their 8 zeros
+    assert torch.equal(chunk, torch.cat((int4.scales[0, :8, 0], int4.scales[0, :8, 1])))
+    assert torch.equal(layer.torch_scales(), int4.scales)
+    assert torch.equal(layer.dequantize(), int4.dequantize())
+    assert torch.allclose(layer.weight_t(torch.float32), int4.weight_t(torch.float32), rtol=1e-6, atol=1e-7)
     g = torch.Generator().manual_seed(8)
     for m in (1, 5, FUSED_INT4_MAX_ROWS + 1):
         x = torch.randn(m, 64, generator=g)
