@@ -35,9 +35,10 @@ where torch has no fast bf16 GEMM, for every row count.
 ``w4a8`` (``--quantization w4a8``) keeps int4's weights and rounds each row of x to int8 per group of 32 inputs
 in every call, as llama.cpp does for its Q4 files on CPU, so the fused ``int4_linear_a8`` multiplies codes and x
 in integer dot products (AVX2's vpmaddubsw: 32 products an instruction) instead of decoding codes into fp32:
-0.6-0.9x ``int4_linear``'s time from 1 to 16 rows on an AVX2 EPYC. Its LM head rounds x the same way
-(``int8_linear_a8``, codes held in tiles of 4 rows that are read as one stream). The rounding costs accuracy (docs/
-quantization.md measures it); a layer the op cannot serve computes the same rounding in torch.
+0.5-0.85x ``int4_linear``'s time from 1 to 16 rows on an AVX2 EPYC; its layers hold their codes and scales in the
+order the op reads them (``int4_a8_pack``; ``torch_packed``/``torch_scales`` give torch's back). Its LM head rounds
+x the same way (``int8_linear_a8``, codes held in tiles of 4 rows that are read as one stream). The rounding costs
+accuracy (docs/quantization.md measures it); a layer the op cannot serve computes the same rounding in torch.
 
 A draft may also be ``mixed`` (the default for a draft beside an unquantized target): its bf16 oneDNN-packed
 layers each get an int8 copy that serves calls of up to ``MIXED_MAX_ROWS`` rows (RowSplitLinear), where
