@@ -376,6 +376,19 @@ def test_int8_linear_rejects_what_it_cannot_compute(ops):
     assert ops.int8_linear(x[:0], q, s).shape == (0, 5)
 
 
+def _check_a8_rows(op, x: torch.Tensor, y: torch.Tensor, exact: torch.Tensor) -> None:
+    """An op that rounds x to int8 per group (y = op(x)): the rounding moved y off the exact product, within its
+    bound; a row's bits never depend on the call's other rows (slices of 1-3 rows); a NaN makes only its row NaN.
+    Writes a NaN into x."""
+    assert 0 < (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
+    for rows in range(1, 4):
+        for start in range(0, x.shape[0] - rows + 1, 2):
+            assert torch.equal(op(x[start:start + rows].contiguous()), y[start:start + rows])
+    x[1, 7] = float("nan")
+    y = op(x)
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k, group", [(576, 32), (128, 64)])
 def test_int8_linear_a8_multiplies_the_int8_weight_by_x_rounded_per_group(ops, dtype, k, group):
@@ -399,15 +412,7 @@ def test_int8_linear_a8_multiplies_the_int8_weight_by_x_rounded_per_group(ops, d
     w = q.double() * s.double()[:, None]                                        # [n, k]
     ref = round_int8_groups(x, group).double() @ w.T
     assert ((y.double() - ref).abs() <= 1e-5 * ref.abs() + 1e-6 * ref.abs().max()).all()
-    exact = x.double() @ w.T                            # the rounding moved the result, within its bound
-    assert 0 < (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
-    for rows in range(1, 4):
-        for start in range(0, m - rows + 1, 2):
-            part = ops.int8_linear_a8(x[start:start + rows].contiguous(), qt, s, group)
-            assert torch.equal(part, y[start:start + rows])
-    x[1, 7] = float("nan")
-    y = ops.int8_linear_a8(x, qt, s, group)
-    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    _check_a8_rows(lambda xs: ops.int8_linear_a8(xs, qt, s, group), x, y, x.double() @ w.T)
     with pytest.raises(RuntimeError, match="x must be"):
         ops.int8_linear_a8(x.half(), qt, s, group)
     with pytest.raises(RuntimeError, match="group must be"):
@@ -557,15 +562,7 @@ def test_int4_linear_a8_multiplies_the_dequantized_weight_by_x_rounded_per_group
     ref = round_int8_groups(x, group).double() @ w.view(n, k).T
     rel = 1e-5 if dtype == torch.float32 else 2.0 ** -8     # fp32 ordering; bf16: the output's one rounding
     assert ((y.double() - ref).abs() <= rel * ref.abs() + 1e-5 * ref.abs().max()).all()
-    exact = x.double() @ w.view(n, k).T                 # the rounding moved the result, within its bound
-    assert 0 < (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
-    for rows in range(1, 4):
-        for start in range(0, m - rows + 1, 2):
-            part = ops.int4_linear_a8(x[start:start + rows].contiguous(), qa8, sa8, group)
-            assert torch.equal(part, y[start:start + rows])
-    x[1, 5] = float("nan")
-    y = ops.int4_linear_a8(x, qa8, sa8, group)
-    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    _check_a8_rows(lambda xs: ops.int4_linear_a8(xs, qa8, sa8, group), x, y, x.double() @ w.view(n, k).T)
     with pytest.raises(RuntimeError, match="x must be"):
         ops.int4_linear_a8(x.half(), qa8, sa8, group)
     with pytest.raises(RuntimeError, match="do not match"):
