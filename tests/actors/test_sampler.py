@@ -149,13 +149,17 @@ def test_verification_emits_the_target_distribution_when_the_draft_lives_on_a_re
 @pytest.mark.parametrize("vocab", [1, 17, 49152, 49157])
 def test_argmax_last_is_torch_argmax_ties_nan_and_minus_inf_included(vocab):
     """The fused argmax (CPU fp32, models/cpu_fused.py) returns torch.argmax's indices: first maximum, the first
-    NaN of a row that has one, 0 for a row of -inf; other dtypes and strided tensors take torch's."""
+    NaN of a row that has one, 0 for a row of -inf, with +inf and signed zeros; other dtypes and strided tensors
+    take torch's."""
     g = torch.Generator().manual_seed(vocab)
     x = torch.randint(0, 3, (2, 6, vocab), generator=g).float()            # many ties
     x[0, 1, vocab // 2] = float("nan")
     x[0, 2].fill_(float("-inf"))
     x[1, 3, -1] = float("nan")
     x[1, 4] = torch.randn(vocab, generator=g)
+    x[0, 5, -1] = float("inf")                                              # the maximum in the last place
+    x[1, 5] = torch.where(torch.rand(vocab, generator=g) < 0.5, -0.0, 0.0)  # -0.0 and 0.0 tie
+    x[1, 2] = -torch.arange(vocab, dtype=torch.float32)                      # the maximum in the first place
     assert torch.equal(argmax_last(x), x.argmax(-1))
     assert torch.equal(argmax_last(x[0, 4]), x[0, 4].argmax(-1))          # one row, 0-d result
     assert torch.equal(argmax_last(x.transpose(0, 1)), x.transpose(0, 1).argmax(-1))
