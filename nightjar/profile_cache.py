@@ -43,11 +43,11 @@ from nightjar.sampling import ConfigError
 # on 8-lane vectors: steps of 4+ rows 3-7x cheaper there; 23: there too, int4 layers on the fused int4_linear and
 # the int8 head 3x faster: int4 decode steps ~0.4x; 24: a w4a8 model's LM head rounds x to int8 too
 # (``int8_linear_a8``) and its layers hold codes and scales as ``int4_linear_a8`` reads them: w4a8 steps of a
-# few rows ~0.8x; 25: on AVX2 the greedy argmax over the vocabulary ~16x faster (184 -> 12 µs a row), so that
-# a profile cached before is measured again
+# few rows ~0.8x; 25: on AVX2 the greedy argmax over the vocabulary ~16x faster (184 -> 12 µs a row); 26: w4a8's
+# LM head ~0.7x from 4 rows (no register spills), so that a profile cached before is measured again
 # instead of misleading the planner. Whether the fused CPU ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) and
 # whether they use AMX tiles (``NIGHTJAR_CPU_AMX``) is part of the key too.
-KERNELS_VERSION = 25
+KERNELS_VERSION = 26
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none",

@@ -1469,33 +1469,54 @@ constexpr int MT8 = 2;   // rows of x per tile: 2 x 4 fp32 accumulators beside 4
 static_assert(MT8 * NT == 8, "one reduce8 sums a tile");
 constexpr int64_t A8_TILES_AHEAD = 8;   // weight tiles from a read to its prefetch (18 KB at K = 576)
 
-// R rows of int8 x (xq [R, K], d [R, G]) against one weight tile (w: NT rows, chunks alternating) -> acc[R * NT]
+// R rows of int8 x (xq [R, K], d [R, G]) against one weight tile (w: NT rows, chunks alternating) -> acc[R * NT].
+// Groups of 32 (one chunk; the head's): a group's x stays in registers while each weight row's integer sums go to
+// fp32 at once, so that only the R x NT fp32 accumulators stay live across the group (keeping NT x R integer sums
+// as well spilled AVX2's 16 registers to the stack). Each output is the same sequence of operations either way.
 template <int R>
 inline void int8_a8_tile(const int8_t* xq, const float* d, const int8_t* w, int64_t K, int64_t g, v8* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t G = K / g;
   v8 a[R][NT] = {};
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m256i s32[R][NT];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < NT; ++j) s32[i][j] = _mm256_setzero_si256();
-    for (int64_t c = gi * g; c < (gi + 1) * g; c += 32) {
+  if (g == 32) {
+    for (int64_t gi = 0, c = 0; gi < G; ++gi, c += 32) {
       const int8_t* chunk = w + c * NT;                               // rows 0..NT-1's inputs c..c+31
       __builtin_prefetch(chunk + A8_TILES_AHEAD * NT * K);
       __builtin_prefetch(chunk + A8_TILES_AHEAD * NT * K + 64);
-      __m256i wv[NT];
-      for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * j));
+      __m256i xv[R], ax[R];
       for (int i = 0; i < R; ++i) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + c));
-        const __m256i ax = _mm256_abs_epi8(xv);
-        for (int j = 0; j < NT; ++j)
-          s32[i][j] = _mm256_add_epi32(
-              s32[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xv)), ones));
+        xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + c));
+        ax[i] = _mm256_abs_epi8(xv[i]);
+      }
+      for (int j = 0; j < NT; ++j) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * j));
+        for (int i = 0; i < R; ++i) {
+          const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[i], _mm256_sign_epi8(wv, xv[i])), ones);
+          a[i][j] += __builtin_convertvector((i8x8)s32, v8) * d[i * G + gi];
+        }
       }
     }
-    for (int i = 0; i < R; ++i) {
-      const float di = d[i * G + gi];
-      for (int j = 0; j < NT; ++j) a[i][j] += __builtin_convertvector((i8x8)s32[i][j], v8) * di;
+  } else {
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m256i s32[R][NT];
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < NT; ++j) s32[i][j] = _mm256_setzero_si256();
+      for (int64_t c = gi * g; c < (gi + 1) * g; c += 32) {
+        const int8_t* chunk = w + c * NT;
+        __builtin_prefetch(chunk + A8_TILES_AHEAD * NT * K);
+        __builtin_prefetch(chunk + A8_TILES_AHEAD * NT * K + 64);
+        __m256i wv[NT];
+        for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * j));
+        for (int i = 0; i < R; ++i) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + c));
+          const __m256i ax = _mm256_abs_epi8(xv);
+          for (int j = 0; j < NT; ++j)
+            s32[i][j] = _mm256_add_epi32(
+                s32[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xv)), ones));
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < NT; ++j) a[i][j] += __builtin_convertvector((i8x8)s32[i][j], v8) * d[i * G + gi];
     }
   }
   for (int i = 0; i < R; ++i)
