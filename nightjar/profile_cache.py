@@ -44,10 +44,11 @@ from nightjar.sampling import ConfigError
 # the int8 head 3x faster: int4 decode steps ~0.4x; 24: a w4a8 model's LM head rounds x to int8 too
 # (``int8_linear_a8``) and its layers hold codes and scales as ``int4_linear_a8`` reads them: w4a8 steps of a
 # few rows ~0.8x; 25: on AVX2 the greedy argmax over the vocabulary ~16x faster (184 -> 12 µs a row); 26: w4a8's
-# LM head ~0.7x from 4 rows (no register spills), so that a profile cached before is measured again
+# LM head ~0.7x from 4 rows (no register spills); 27: there, other modes' int8 LM heads in tiles of 4 rows
+# (``int8_linear_tiled``) 0.6-0.9x, so that a profile cached before is measured again
 # instead of misleading the planner. Whether the fused CPU ops serve (``NIGHTJAR_CPU_FUSED``, a compiler) and
 # whether they use AMX tiles (``NIGHTJAR_CPU_AMX``) is part of the key too.
-KERNELS_VERSION = 26
+KERNELS_VERSION = 27
 
 
 def cache_path(model: str, draft: str | None, dtype: str, device: str = "cpu", quantization: str = "none",

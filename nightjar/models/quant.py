@@ -28,7 +28,10 @@ codes feed tile dot products for 16 rows at a time): 0.85x the vector kernel's s
 The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per row) run by the fused CPU op
 ``int8_linear``, whose rows never depend on the step's other rows (bf16 rows on AMX tiles where int4 layers use
 them: 0.95x the vector kernel's speed at one row, 1.8x at 5, 3.4x at 16); where that op does not build, the head
-stays in the model's dtype (docs/quantization.md has the measurements). Where ``int8_linear`` runs on AMX tiles,
+stays in the model's dtype (docs/quantization.md has the measurements). Where the ops' vectors are 8 lanes (AVX2:
+no bf16 arithmetic, ``int8_linear`` widens codes to fp32), the head's codes are held in tiles of 4 rows read as one
+stream (``tile_int8_rows``) by ``int8_linear_tiled``, the same numbers as ``int8_linear``'s 0.6-0.9x the time
+from 1 to 5 rows on an AVX2 EPYC. Where ``int8_linear`` runs on AMX tiles,
 a bf16 model's int8 layers use it too, up to ``FUSED_INT8_MAX_ROWS`` rows (in place of torch's packed kernel), and
 where torch has no fast bf16 GEMM, for every row count.
 
@@ -256,27 +259,33 @@ class QuantHead(nn.Module):
     """The LM head as int8 codes [V, h] with one fp32 scale per row; returns fp32 logits. A separate copy
     when the head is tied: the embedding keeps its table for lookups. ``act8`` (``--quantization w4a8``): x is
     rounded to int8 per group of ``INT4_GROUP`` inputs as the layers round it, and the codes are held in tiles of
-    4 rows (``tile_int8_rows``) for ``int8_linear_a8`` (integer dot products, the tiles read as one stream)."""
+    4 rows (``tile_int8_rows``) for ``int8_linear_a8`` (integer dot products, the tiles read as one stream).
+    ``tiled`` without ``act8``: the same tiles for ``int8_linear_tiled`` (where ``fp32_head_tiles``)."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, act8: bool = False):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, act8: bool = False, tiled: bool = False):
         super().__init__()
         self.out_features, self.in_features = scales.shape[0], qweight.shape[1]
         self.act8 = act8
-        self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [V, h]; act8: tile_int8_rows's [V', h]
+        self.tiled = bool(tiled) or act8
+        self.qweight = nn.Parameter(qweight, requires_grad=False)   # int8 [V, h]; tiled: tile_int8_rows's [V', h]
         self.scales = nn.Parameter(scales, requires_grad=False)     # fp32 [V] (cast_floats leaves them)
 
     @classmethod
     def from_weight(cls, w: torch.Tensor, act8: bool = False) -> QuantHead:
-        """Symmetric int8 per row (max |w| -> 127), fp32 scales; ``act8`` where the rows' length is whole groups."""
+        """Symmetric int8 per row (max |w| -> 127), fp32 scales; ``act8`` where the rows' length is whole groups;
+        the codes in tiles where ``act8`` or ``fp32_head_tiles()`` (and the rows' length is whole chunks of 32)."""
         q, s = quantize_int8(w.detach().float())
         act8 = act8 and q.shape[1] % INT4_GROUP == 0
-        return cls(tile_int8_rows(q) if act8 else q, s, act8)
+        tiled = act8 or (q.shape[1] % 32 == 0 and fp32_head_tiles())
+        return cls(tile_int8_rows(q) if tiled else q, s, act8, tiled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., h] -> fp32 logits [..., V]."""
         x2 = x.reshape(-1, self.in_features).contiguous()             # [M, h]
         if cpu_fused.available() and self.act8:
             y = torch.ops.nightjar_cpu.int8_linear_a8.default(x2, self.qweight, self.scales, INT4_GROUP)
+        elif cpu_fused.available() and self.tiled:
+            y = torch.ops.nightjar_cpu.int8_linear_tiled.default(x2, self.qweight, self.scales)
         elif cpu_fused.available():
             y = torch.ops.nightjar_cpu.int8_linear.default(x2, self.qweight, self.scales)
         else:                                                          # the op went away after loading: slow
@@ -286,7 +295,7 @@ class QuantHead(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """The int8 codes [V, h] in row order."""
-        return untile_int8_rows(self.qweight, self.out_features) if self.act8 else self.qweight
+        return untile_int8_rows(self.qweight, self.out_features) if self.tiled else self.qweight
 
     def dequantize(self) -> torch.Tensor:
         """The weight [V, h] in fp32."""
@@ -301,7 +310,13 @@ class QuantHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8{a}"
 
 
-HEAD_TILE = 4   # rows per tile of an act8 head's codes (NT in models/cpu_fused.cpp)
+HEAD_TILE = 4   # rows per tile of a tiled head's codes (NT in models/cpu_fused.cpp)
+
+
+def fp32_head_tiles() -> bool:
+    """An LM head without act8 holds its codes in tiles for ``int8_linear_tiled``: where the fused ops build with
+    8-lane vectors (AVX2), whose ``int8_linear`` has no bf16 path and read 4 row streams at ~0.55x the copy rate."""
+    return cpu_fused.available() and cpu_fused.lanes() == 8
 
 
 def tile_int8_rows(q: torch.Tensor) -> torch.Tensor:

@@ -443,8 +443,41 @@ def test_a_w4a8_models_lm_head_rounds_x_as_its_layers_do(ops, monkeypatch):
     assert (y.view(6, 98) - ref).abs().max() <= 1e-5 * ref.abs().max()
     monkeypatch.setattr(cpu_fused, "available", lambda: False)
     assert torch.allclose(head(x).view(6, 98), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
-    plain = QuantHead.from_weight(w)
-    assert not plain.act8 and torch.equal(plain.codes(), plain.qweight) and plain.qweight.shape == (98, 64)
+    plain = QuantHead.from_weight(w)                       # int4's head: x as it is
+    assert not plain.act8 and torch.equal(plain.codes(), quantize_int8(w)[0])
+    assert plain.tiled == (cpu_fused.lanes() == 8) and plain.qweight.shape == ((100, 64) if plain.tiled else (98, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_tiled_gives_int8_linears_numbers_from_tiles(ops, dtype):
+    """int8_linear_tiled on codes in tiles of 4 rows returns int8_linear's fp32 path bit for bit (every row count
+    up to 9, a part tile); where the ops have 8-lane vectors (that path is int8_linear's there) a head without act8
+    holds its codes in tiles and runs it; bad arguments fail."""
+    from nightjar.models.quant import QuantHead, fp32_head_tiles, quantize_int8, tile_int8_rows
+
+    g = torch.Generator().manual_seed(6)
+    n, k = 203, 96
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) * 0.01 + 1e-3
+    qt = tile_int8_rows(q)
+    x = torch.randn(9, k, generator=g).to(dtype)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    for m in range(10):
+        y = ops.int8_linear_tiled(x[:m], qt, s)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert ((y.double() - ref[:m]).abs() <= 1e-5 * ref.abs().max()).all()
+        if cpu_fused.lanes() == 8:                         # int8_linear's fp32 path serves every dtype there
+            assert torch.equal(y, ops.int8_linear(x[:m], q, s))
+    assert fp32_head_tiles() == (cpu_fused.lanes() == 8)
+    head = QuantHead.from_weight(q.float() * s[:, None])
+    assert not head.act8 and head.tiled == fp32_head_tiles() and torch.equal(head.codes(), quantize_int8(
+        q.float() * s[:, None])[0])
+    with pytest.raises(RuntimeError, match="whole chunks of 32"):
+        ops.int8_linear_tiled(x[:, :40].contiguous(), qt[:, :40].contiguous(), s)
+    with pytest.raises(RuntimeError, match="rounded up to 4"):
+        ops.int8_linear_tiled(x, q, s)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.int8_linear_tiled(x.half(), qt, s)
 
 
 INT4_FUSED = pytest.mark.skipif(not quant._fused_int4_layout(), reason="the fused int4 ops do not build here, or read "
