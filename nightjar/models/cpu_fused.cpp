@@ -861,6 +861,19 @@ void int8_linear_amx(const c10::BFloat16* x, const int8_t* q, const S* sc, Y* y,
 }
 #endif
 
+// Every (tile t of NT weight rows, tile of mt <= Rows rows of x from m0) of an [M, N] output, the weight tiles split
+// among threads: run(mt as a compile-time count, t, m0, mt)
+template <int Rows, typename Run>
+void each_tile(int64_t M, int64_t N, Run&& run) {
+  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += Rows) {
+        const int64_t mt = std::min<int64_t>(Rows, M - m0);
+        by_rows<Rows>(mt, [&](auto r) { run(r, t, m0, mt); });
+      }
+  });
+}
+
 // tile_f32 with the NT weight rows in one tile of tile_int8_rows's layout (w: the tile; row j's inputs
 // 32 k..32 k + 31 at w + 128 k + 32 j): the same multiply-adds in the same order, the tile read as one stream.
 // ahead: prefetch the tile A8_TILES_AHEAD on (the first pass over a tile; the others find it in L1).
@@ -909,18 +922,10 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& q, const at:
   const int8_t* pq = q.data_ptr<int8_t>();
   const float* ps = scales.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+  each_tile<MT>(M, N, [&](auto r, int64_t t, int64_t m0, int64_t mt) {
     va acc[MT * NT] = {};                     // a tile of mt < MT rows leaves the last ones zero for reduce_a
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int64_t mt = std::min<int64_t>(MT, M - m0);
-        by_rows<MT>(mt, [&](auto r) {
-          tile_f32_tiled<decltype(r)::value>(xf.data() + m0 * C, pq + n0 * K, K, C, m0 == 0, acc);
-        });
-        store_tile(acc, ps, py, m0, mt, n0, nt, N);
-      }
-    }
+    tile_f32_tiled<decltype(r)::value>(xf.data() + m0 * C, pq + t * NT * K, K, C, m0 == 0, acc);
+    store_tile(acc, ps, py, m0, mt, t * NT, std::min<int64_t>(NT, N - t * NT), N);
   });
   return y;
 }
@@ -1611,20 +1616,13 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& q, const at::Te
   const int8_t* pq = q.data_ptr<int8_t>();
   const float* ps = scales.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+  each_tile<MT8>(M, N, [&](auto r, int64_t t, int64_t m0, int64_t mt) {
     v8 acc[MT8 * NT] = {};                    // a tile of mt < MT8 rows leaves the last ones zero for reduce8
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += MT8) {
-        const int64_t mt = std::min<int64_t>(MT8, M - m0);
-        by_rows<MT8>(mt, [&](auto r) {
-          int8_a8_tile<decltype(r)::value>(xq.data() + m0 * K, xd.data() + m0 * G, pq + n0 * K, K, group, acc);
-        });
-        const v8 sums = reduce8(acc);
-        for (int64_t i = 0; i < mt; ++i)
-          for (int64_t j = 0; j < nt; ++j) py[(m0 + i) * N + n0 + j] = sums[i * NT + j] * ps[n0 + j];
-      }
-    }
+    int8_a8_tile<decltype(r)::value>(xq.data() + m0 * K, xd.data() + m0 * G, pq + t * NT * K, K, group, acc);
+    const v8 sums = reduce8(acc);
+    const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
+    for (int64_t i = 0; i < mt; ++i)
+      for (int64_t j = 0; j < nt; ++j) py[(m0 + i) * N + n0 + j] = sums[i * NT + j] * ps[n0 + j];
   });
   return y;
 }
