@@ -1635,7 +1635,8 @@ int64_t first_nan(const float* x, int64_t V) {
 
 // x [V] -> the first index of its largest value, or of its first NaN (torch.argmax). Two passes: the maximum
 // (4 independent vmaxps chains, NaNs noted beside), then the first index holding it. One pass keeping indices in
-// 16-lane vectors ran ~3.7 ns a value on AVX2 (its selects split per lane); these run at L2's rate.
+// 16-lane vectors ran ~3.7 ns a value on AVX2 (its selects split per lane); these take ~12 µs for 49k values
+// there, about what torch's max takes.
 int64_t argmax_row(const float* x, int64_t V) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 m[4] = {ninf, ninf, ninf, ninf}, nan = _mm256_setzero_ps();

@@ -30,8 +30,8 @@ The LM head of a quantized model is an int8 copy (QuantHead: one fp32 scale per 
 them: 0.95x the vector kernel's speed at one row, 1.8x at 5, 3.4x at 16); where that op does not build, the head
 stays in the model's dtype (docs/quantization.md has the measurements). Where the ops' vectors are 8 lanes (AVX2:
 no bf16 arithmetic, ``int8_linear`` widens codes to fp32), the head's codes are held in tiles of 4 rows read as one
-stream (``tile_int8_rows``) by ``int8_linear_tiled``, the same numbers as ``int8_linear``'s 0.6-0.9x the time
-from 1 to 5 rows on an AVX2 EPYC. Where ``int8_linear`` runs on AMX tiles,
+stream (``tile_int8_rows``) by ``int8_linear_tiled``: ``int8_linear``'s numbers in 0.6-0.9x its time from 1 to
+5 rows on an AVX2 EPYC. Where ``int8_linear`` runs on AMX tiles,
 a bf16 model's int8 layers use it too, up to ``FUSED_INT8_MAX_ROWS`` rows (in place of torch's packed kernel), and
 where torch has no fast bf16 GEMM, for every row count.
 
@@ -315,7 +315,8 @@ HEAD_TILE = 4   # rows per tile of a tiled head's codes (NT in models/cpu_fused.
 
 def fp32_head_tiles() -> bool:
     """An LM head without act8 holds its codes in tiles for ``int8_linear_tiled``: where the fused ops build with
-    8-lane vectors (AVX2), whose ``int8_linear`` has no bf16 path and read 4 row streams at ~0.55x the copy rate."""
+    8-lane vectors (AVX2), whose ``int8_linear`` has no bf16 path and reads a tile's 4 rows as 4 streams (~0.55x
+    the copy rate there)."""
     return cpu_fused.available() and cpu_fused.lanes() == 8
 
 
