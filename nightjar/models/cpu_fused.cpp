@@ -716,6 +716,19 @@ inline __m512bh widen32_bf16(const int8_t* q) {
 }
 #endif
 
+// Every (tile t of NT weight rows, tile of mt <= Rows rows of x from m0) of an [M, N] output, the weight tiles split
+// among threads: run(mt as a compile-time count, t, m0, mt)
+template <int Rows, typename Run>
+void each_tile(int64_t M, int64_t N, Run&& run) {
+  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += Rows) {
+        const int64_t mt = std::min<int64_t>(Rows, M - m0);
+        by_rows<Rows>(mt, [&](auto r) { run(r, t, m0, mt); });
+      }
+  });
+}
+
 // one NT x (up to MT) output tile: acc [MT * NT] -> y rows m0.., columns n0.. scaled by the rows' scales
 template <typename S, typename Y>
 inline void store_tile(const va* acc, const S* sc, Y* y, int64_t m0, int64_t mt, int64_t n0, int64_t nt,
@@ -730,18 +743,13 @@ inline void store_tile(const va* acc, const S* sc, Y* y, int64_t m0, int64_t mt,
 template <typename S, typename Y>
 void int8_linear_f32(const va* xf, const int8_t* q, const S* sc, Y* y, int64_t M, int64_t N, int64_t K) {
   const int64_t C = (K + AL - 1) / AL;
-  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
+  each_tile<MT>(M, N, [&](auto r, int64_t t, int64_t m0, int64_t mt) {
+    const int64_t n0 = t * NT;
+    const int8_t* rows[NT];
+    for (int64_t j = 0; j < NT; ++j) rows[j] = q + std::min(n0 + j, N - 1) * K;
     va acc[MT * NT] = {};                     // a tile of mt < MT rows leaves the last ones zero for reduce_a
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
-      const int8_t* rows[NT];
-      for (int64_t j = 0; j < NT; ++j) rows[j] = q + std::min(n0 + j, N - 1) * K;
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int64_t mt = std::min<int64_t>(MT, M - m0);
-        by_rows<MT>(mt, [&](auto r) { tile_f32<decltype(r)::value>(xf + m0 * C, rows, K, C, acc); });
-        store_tile(acc, sc, y, m0, mt, n0, nt, N);
-      }
-    }
+    tile_f32<decltype(r)::value>(xf + m0 * C, rows, K, C, acc);
+    store_tile(acc, sc, y, m0, mt, n0, std::min<int64_t>(NT, N - n0), N);
   });
 }
 
@@ -860,19 +868,6 @@ void int8_linear_amx(const c10::BFloat16* x, const int8_t* q, const S* sc, Y* y,
   });
 }
 #endif
-
-// Every (tile t of NT weight rows, tile of mt <= Rows rows of x from m0) of an [M, N] output, the weight tiles split
-// among threads: run(mt as a compile-time count, t, m0, mt)
-template <int Rows, typename Run>
-void each_tile(int64_t M, int64_t N, Run&& run) {
-  at::parallel_for(0, (N + NT - 1) / NT, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t)
-      for (int64_t m0 = 0; m0 < M; m0 += Rows) {
-        const int64_t mt = std::min<int64_t>(Rows, M - m0);
-        by_rows<Rows>(mt, [&](auto r) { run(r, t, m0, mt); });
-      }
-  });
-}
 
 // tile_f32 with the NT weight rows in one tile of tile_int8_rows's layout (w: the tile; row j's inputs
 // 32 k..32 k + 31 at w + 128 k + 32 j): the same multiply-adds in the same order, the tile read as one stream.
